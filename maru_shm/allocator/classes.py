@@ -1,0 +1,56 @@
+"""Size classes: fine geometric classes for any value, plus exact-fit classes declared at run time.
+
+Eight classes per doubling keep the internal waste of an arbitrary value
+below 9 % (about 4.5 % on average); a page size known at run time (a KV page
+from the SGLang host pool) gets a class of exactly its size, so its waste is 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..format import MAX_BLOCKS_PER_SLAB
+
+CLASSES_PER_DOUBLING = 8
+ALIGN = 64
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def geometric_sizes(granule: int, max_value: int) -> list[int]:
+    """Block sizes from `granule` up to `max_value` (inclusive), 8 per doubling, 64-byte aligned."""
+    sizes: list[int] = []
+    i = 0
+    while True:
+        s = _round_up(math.ceil(granule * 2 ** (i / CLASSES_PER_DOUBLING)), ALIGN)
+        if s >= max_value:
+            sizes.append(max_value)
+            return sizes
+        if not sizes or s > sizes[-1]:
+            sizes.append(s)
+        i += 1
+
+
+def slab_shape(block_size: int, unit_size: int, max_units: int = 64) -> tuple[int, int]:
+    """(units per slab, blocks per slab) for a class: the smallest slab that wastes <= 1 %.
+
+    Blocks per slab are capped by the slab bitmap (256). When no k up to
+    `max_units` gets under 1 %, the k with the least tail waste wins.
+    """
+    min_units = max(1, -(-block_size // unit_size))
+    best = None
+    for k in range(min_units, max(min_units, max_units) + 1):
+        n = min(k * unit_size // block_size, MAX_BLOCKS_PER_SLAB)
+        if n == 0:
+            continue
+        waste = (k * unit_size - n * block_size) / (k * unit_size)
+        if waste <= 0.01:
+            return k, n
+        if best is None or waste < best[0] - 1e-12:
+            best = (waste, k, n)
+        if n == MAX_BLOCKS_PER_SLAB:
+            break
+    assert best is not None
+    return best[1], best[2]

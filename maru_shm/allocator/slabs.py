@@ -1,0 +1,562 @@
+"""Slabs and blocks: allocation, freeing, slab CLOCK eviction, class/pool repair, reaping.
+
+Truth lives in two places only: slab HEAD entries (which units form a slab
+of which class) and block metas (state and owner of every block). Bitmaps,
+free counts, partial lists and TAIL entries are derived and are rebuilt by
+`repair_class` / `repair_pool` when a holder died inside a section.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import numpy as np
+
+from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS,
+                      CLS_PARTIAL, CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
+                      LOCK_CLASSTAB, LOCK_POOL, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
+                      SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
+                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL)
+from .classes import slab_shape
+
+class ClassInfo:
+    __slots__ = ("cid", "kind", "k", "block", "bps")
+
+    def __init__(self, cid, kind, k, block, bps):
+        self.cid, self.kind, self.k, self.block, self.bps = cid, kind, k, block, bps
+
+
+class Allocator:
+    """Allocator over one mapped pool; `ctx` is the Store (mm, geo, locks, index, slot, liveness)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.mm = ctx.mm
+        g = ctx.geo
+        self.geo = g
+        self.U = g.unit_size
+        self.G = g.granule
+        self.n_units = g.n_units
+        self.off_slabs = g.off_slabs
+        self.off_meta = g.off_blockmeta
+        self.off_classes = g.off_classes
+        self.states = np.ndarray((g.n_units,), dtype="<u4", buffer=self.mm, offset=g.off_slabs, strides=(SLAB_ENTRY,))
+        self.clsfield = np.ndarray((g.n_units,), dtype="<u4", buffer=self.mm, offset=g.off_slabs + 4,
+                                   strides=(SLAB_ENTRY,))
+        self.classes: list[ClassInfo | None] = []
+        self.geo_sizes: list[int] = []
+        self.exact: dict[int, int] = {}
+        self._classes_version = -1
+        self.refresh_classes()
+
+    def release_views(self) -> None:
+        """Drop numpy views so the mapping can be closed."""
+        self.states = self.clsfield = None
+
+    # -- class table -----------------------------------------------------------
+    def refresh_classes(self) -> None:
+        (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
+        if ver == self._classes_version:
+            return
+        classes, geo_sizes, exact = [], [], {}
+        for cid in range(self.geo.class_cap):
+            kind, k, block, bps = CLASS_STRUCT.unpack_from(self.mm, self.off_classes + cid * CLASS_ENTRY)[:4]
+            valid = (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= self.n_units and 0 < block <= k * self.U
+                     and 0 < bps <= 256 and bps * block <= k * self.U and block >= self.G)
+            info = ClassInfo(cid, kind, k, block, bps) if valid else None
+            classes.append(info)
+            if info and kind == KIND_GEOMETRIC and cid < self.geo.n_geo_classes:
+                geo_sizes.append(block)
+            elif info and kind == KIND_EXACT:
+                exact[block] = cid
+        self.classes, self.geo_sizes, self.exact = classes, geo_sizes, exact
+        self._classes_version = ver
+
+    def class_for(self, n: int) -> ClassInfo | None:
+        """Exact-fit class of exactly n bytes if declared, else the smallest geometric class >= n."""
+        cid = self.exact.get(n)
+        if cid is None:
+            (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
+            if ver != self._classes_version:
+                self.refresh_classes()
+                cid = self.exact.get(n)
+        if cid is not None:
+            return self.classes[cid]
+        i = bisect.bisect_left(self.geo_sizes, max(n, 1))
+        if i >= len(self.geo_sizes):
+            return None
+        return self.classes[i]
+
+    def declare_exact(self, n: int) -> ClassInfo:
+        """Give block size n its own class (idempotent); geometric fallback when the table is full."""
+        self.refresh_classes()
+        if n in self.exact:
+            return self.classes[self.exact[n]]
+        if n < self.G or n > self.geo.max_value:
+            raise ValueError(f"exact size {n} outside [{self.G}, {self.geo.max_value}]")
+        with self.ctx.locks.hold(LOCK_CLASSTAB):
+            self._classes_version = -1
+            self.refresh_classes()
+            if n in self.exact:
+                return self.classes[self.exact[n]]
+            for cid in range(self.geo.n_geo_classes, self.geo.class_cap):
+                off = self.off_classes + cid * CLASS_ENTRY
+                if U32.unpack_from(self.mm, off)[0] == KIND_UNUSED:
+                    k, bps = slab_shape(n, self.U)
+                    CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
+                    U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
+                    (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
+                    U32.pack_into(self.mm, CLASSES_VERSION_OFF, (ver + 1) & 0xFFFFFFFF)
+                    break
+            else:
+                return self.class_for(n)
+        self.refresh_classes()
+        return self.classes[self.exact[n]]
+
+    # -- small accessors -----------------------------------------------------------
+    def _slab(self, u: int) -> int:
+        return self.off_slabs + u * SLAB_ENTRY
+
+    def _cls_off(self, cid: int) -> int:
+        return self.off_classes + cid * CLASS_ENTRY
+
+    def _get32(self, off: int) -> int:
+        return U32.unpack_from(self.mm, off)[0]
+
+    def _set32(self, off: int, v: int) -> None:
+        U32.pack_into(self.mm, off, v)
+
+    def meta_off(self, offset: int) -> int:
+        return self.off_meta + (offset // self.G) * META_SIZE
+
+    def head_of(self, offset: int):
+        """(head unit, ClassInfo) of the slab containing data offset, or (None, None)."""
+        u = offset // self.U
+        if not 0 <= u < self.n_units:
+            return None, None
+        st, c = U32.unpack_from(self.mm, self._slab(u))[0], self._get32(self._slab(u) + 4)
+        if st == UNIT_TAIL:
+            u = c
+            if not 0 <= u < self.n_units or self._get32(self._slab(u)) != UNIT_HEAD:
+                return None, None
+            c = self._get32(self._slab(u) + 4)
+        elif st != UNIT_HEAD:
+            return None, None
+        info = self.classes[c] if 0 <= c < len(self.classes) else None
+        if info is None:
+            self.refresh_classes()
+            info = self.classes[c] if 0 <= c < len(self.classes) else None
+        return (u, info) if info else (None, None)
+
+    def block_index(self, offset: int):
+        """(head, ClassInfo, block index) if offset is a block start of a slab, else None."""
+        h, info = self.head_of(offset)
+        if h is None:
+            return None
+        rel = offset - h * self.U
+        i, r = divmod(rel, info.block)
+        if r or i >= info.bps:
+            return None
+        return h, info, i
+
+    def is_referenced(self, offset: int, clear: bool = False) -> bool:
+        """Block ref bit (for index-pressure CLOCK); optionally clear it."""
+        if not 0 <= offset < self.geo.data_bytes:
+            return False
+        r = self.meta_off(offset) + 30
+        ref = self.mm[r]
+        if ref and clear:
+            self.mm[r] = 0
+        return bool(ref)
+
+    # -- bitmap / partial list (CLASS lock held) ----------------------------------
+    def _bit(self, h: int, i: int) -> bool:
+        return bool(self.mm[self._slab(h) + SLAB_BITMAP + (i >> 3)] & (1 << (i & 7)))
+
+    def _set_bit(self, h: int, i: int, on: bool) -> None:
+        o = self._slab(h) + SLAB_BITMAP + (i >> 3)
+        b = self.mm[o]
+        self.mm[o] = (b | (1 << (i & 7))) if on else (b & ~(1 << (i & 7)) & 0xFF)
+
+    def _partial_push(self, cid: int, h: int) -> None:
+        s = self._slab(h)
+        if self.mm[s + SLAB_INPARTIAL]:
+            return
+        head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
+        self._set32(s + SLAB_NEXT, head)
+        self._set32(s + SLAB_PREV, 0)
+        if head and head - 1 < self.n_units:
+            self._set32(self._slab(head - 1) + SLAB_PREV, h + 1)
+        self.mm[s + SLAB_INPARTIAL] = 1
+        self._set32(self._cls_off(cid) + CLS_PARTIAL, h + 1)
+
+    def _partial_remove(self, cid: int, h: int) -> None:
+        s = self._slab(h)
+        if not self.mm[s + SLAB_INPARTIAL]:
+            return
+        nxt, prv = self._get32(s + SLAB_NEXT), self._get32(s + SLAB_PREV)
+        if prv and prv - 1 < self.n_units:
+            self._set32(self._slab(prv - 1) + SLAB_NEXT, nxt)
+        else:
+            self._set32(self._cls_off(cid) + CLS_PARTIAL, nxt)
+        if nxt and nxt - 1 < self.n_units:
+            self._set32(self._slab(nxt - 1) + SLAB_PREV, prv)
+        self._set32(s + SLAB_NEXT, 0)
+        self._set32(s + SLAB_PREV, 0)
+        self.mm[s + SLAB_INPARTIAL] = 0
+
+    def _add_used(self, cid: int, delta: int) -> None:
+        o = self._cls_off(cid) + CLS_USED
+        self._set32(o, max(0, self._get32(o) + delta))
+
+    # -- allocation ---------------------------------------------------------------
+    def allocate(self, info: ClassInfo, items, owner: int) -> list[int]:
+        """Reserve one block per (digest, length) in `items`; return their data offsets.
+
+        Fewer offsets than items means the pool could not make room (every
+        candidate slab busy with writers). Each block is RESERVED with `owner`.
+        """
+        cid = info.cid
+        out: list[int] = []
+        with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
+            while len(out) < len(items):
+                head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
+                if head == 0 or head - 1 >= self.n_units:
+                    if head:
+                        self.repair_class(cid)
+                        continue
+                    h = self._new_slab(info)
+                    if h is None:
+                        break
+                    continue
+                h = head - 1
+                s = self._slab(h)
+                nfree = self._get32(s + SLAB_NFREE)
+                got = 0
+                bm = bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
+                for i in range(info.bps):
+                    if len(out) == len(items):
+                        break
+                    if bm[i >> 3] & (1 << (i & 7)):
+                        continue
+                    off = h * self.U + i * info.block
+                    d, length = items[len(out)]
+                    self._reserve(off, d, length, owner)
+                    self._set_bit(h, i, True)
+                    out.append(off)
+                    got += 1
+                nfree = max(0, nfree - got)
+                if got == 0:
+                    nfree = 0  # bitmap says full: the count was stale
+                self._set32(s + SLAB_NFREE, nfree)
+                self._add_used(cid, got)
+                if nfree == 0:
+                    self._partial_remove(cid, h)
+                self.mm[s + SLAB_REF] = 1
+        return out
+
+    def _reserve(self, off: int, d: bytes, length: int, owner: int) -> None:
+        m = self.meta_off(off)
+        (word,) = U64.unpack_from(self.mm, m)
+        self.mm[m + 8:m + 24] = d
+        U32.pack_into(self.mm, m + 24, length)
+        U16.pack_into(self.mm, m + 28, owner)
+        self.mm[m + 30] = 0
+        U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | RESERVED)
+
+    def _new_slab(self, info: ClassInfo) -> int | None:
+        """Format a new slab for the class from free units (evicting if needed); CLASS lock held."""
+        with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
+            u = self.find_free_run(info.k)
+            if u is None:
+                u = self._evict_for(info)
+            if u is None:
+                return None
+            self._format_slab(u, info)
+            return u
+
+    def find_free_run(self, k: int) -> int | None:
+        free = self.states == UNIT_FREE
+        if k == 1:
+            idx = np.flatnonzero(free)
+            return int(idx[0]) if idx.size else None
+        if k > self.n_units:
+            return None
+        cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+        runs = np.flatnonzero(cs[k:] - cs[:-k] == k)
+        return int(runs[0]) if runs.size else None
+
+    def _format_slab(self, h: int, info: ClassInfo) -> None:
+        s = self._slab(h)
+        self.mm[s:s + SLAB_ENTRY] = bytes(SLAB_ENTRY)
+        self._set32(s + 4, info.cid)
+        self._set32(s + SLAB_NFREE, info.bps)
+        self._set32(s + SLAB_NBLOCKS, info.bps)
+        self.mm[s + SLAB_REF] = 1
+        self._set32(s, UNIT_HEAD)  # commit point: the units now belong to the class
+        for t in range(h + 1, h + info.k):
+            self._set32(self._slab(t) + 4, h)
+            self._set32(self._slab(t), UNIT_TAIL)
+        o = self._cls_off(info.cid) + CLS_NSLABS
+        self._set32(o, self._get32(o) + 1)
+        self._partial_push(info.cid, h)
+
+    # -- freeing ------------------------------------------------------------------
+    def free_blocks(self, blocks) -> int:
+        """Free blocks given as (offset, word) if their word is unchanged; returns how many were freed."""
+        by_class: dict[int, list] = {}
+        for off, word in blocks:
+            h, info = self.head_of(off)
+            if info is not None:
+                by_class.setdefault(info.cid, []).append((off, word))
+        freed = 0
+        for cid, items in by_class.items():
+            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+                for off, word in items:
+                    loc = self.block_index(off)
+                    if loc is None or loc[1].cid != cid:
+                        continue
+                    if U64.unpack_from(self.mm, self.meta_off(off))[0] == word:
+                        self._free_block(loc[0], loc[1], loc[2], off)
+                        freed += 1
+        return freed
+
+    def _free_block(self, h: int, info: ClassInfo, i: int, off: int) -> None:
+        """CLASS lock held: mark a block FREE (word bumped first, so readers miss) and update derived state."""
+        m = self.meta_off(off)
+        (word,) = U64.unpack_from(self.mm, m)
+        U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+        U16.pack_into(self.mm, m + 28, 0)
+        self.mm[m + 30] = 0
+        if self._bit(h, i):
+            self._set_bit(h, i, False)
+            s = self._slab(h)
+            self._set32(s + SLAB_NFREE, min(info.bps, self._get32(s + SLAB_NFREE) + 1))
+            self._add_used(info.cid, -1)
+            self._partial_push(info.cid, h)
+
+    # -- eviction -----------------------------------------------------------------
+    def _slab_referenced(self, h: int, k: int, clear: bool) -> bool:
+        hit = False
+        for u in range(h, min(h + k, self.n_units)):
+            r = self._slab(u) + SLAB_REF
+            if self.mm[r]:
+                hit = True
+                if clear:
+                    self.mm[r] = 0
+        return hit
+
+    def _heads_in(self, w0: int, k: int) -> list[int]:
+        heads: list[int] = []
+        for u in range(w0, w0 + k):
+            st = self._get32(self._slab(u))
+            h = u if st == UNIT_HEAD else (self._get32(self._slab(u) + 4) if st == UNIT_TAIL else None)
+            if h is not None and (not heads or heads[-1] != h):
+                heads.append(h)
+        return heads
+
+    def _evict_for(self, info: ClassInfo) -> int | None:
+        """Slab CLOCK: free a window of info.k units by evicting the slabs in it. CLASS+POOL held."""
+        n, k = self.n_units, info.k
+        if k > n:
+            return None
+        (hand,) = U32.unpack_from(self.mm, SLAB_HAND_OFF)
+        hand %= n
+        for sweep in range(3):
+            for step in range(n):
+                u = (hand + step) % n
+                if self._get32(self._slab(u)) != UNIT_HEAD:
+                    continue
+                c = self._get32(self._slab(u) + 4)
+                cinfo = self.classes[c] if c < len(self.classes) else None
+                if cinfo is None:
+                    continue
+                if sweep < 2 and self._slab_referenced(u, cinfo.k, clear=True):
+                    continue
+                w0 = min(u, n - k)
+                if self._evict_window(w0, k, info.cid):
+                    U32.pack_into(self.mm, SLAB_HAND_OFF, (u + 1) % n)
+                    run = self.find_free_run(k)
+                    if run is not None:
+                        return run
+        return None
+
+    def _evict_window(self, w0: int, k: int, my_cid: int) -> bool:
+        heads = self._heads_in(w0, k)
+        locked: list[int] = []
+        try:
+            infos = []
+            for h in heads:
+                c = self._get32(self._slab(h) + 4)
+                cinfo = self.classes[c] if c < len(self.classes) else None
+                if cinfo is None:
+                    return False
+                if c != my_cid and c not in locked:
+                    r = self.ctx.locks.acquire(CLASS_LOCK_BASE + c, blocking=False)
+                    if r is None:
+                        return False
+                    locked.append(c)
+                    if r:
+                        self.repair_class(c)
+                    if self._get32(self._slab(h)) != UNIT_HEAD:
+                        return False
+                if not self._slab_evictable(h, cinfo):
+                    return False
+                infos.append((h, cinfo))
+            for h, cinfo in infos:
+                self._evict_slab(h, cinfo)
+            return True
+        finally:
+            for c in locked:
+                self.ctx.locks.release(CLASS_LOCK_BASE + c)
+
+    def _slab_evictable(self, h: int, info: ClassInfo) -> bool:
+        for i in range(info.bps):
+            m = self.meta_off(h * self.U + i * info.block)
+            owner = U16.unpack_from(self.mm, m + 28)[0]
+            if owner and U64.unpack_from(self.mm, m)[0] & 3 != FREE and self.ctx.slot_alive(owner):
+                return False
+        return True
+
+    def _evict_slab(self, h: int, info: ClassInfo) -> None:
+        """Holding the slab's CLASS lock and POOL: unpublish and free every block, return the units."""
+        ctx = self.ctx
+        evicted = evicted_bytes = orphans = 0
+        for i in range(info.bps):
+            off = h * self.U + i * info.block
+            m = self.meta_off(off)
+            word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, m)
+            if word & 3 == FREE:
+                continue
+            if word & 3 == LIVE:
+                if ctx.unpublish(d, off, word):
+                    evicted += 1
+                    evicted_bytes += length
+                else:
+                    orphans += 1
+            self._free_block(h, info, i, off)
+        self._partial_remove(info.cid, h)
+        s = self._slab(h)
+        self._set32(s, UNIT_FREE)  # commit point: the units are free
+        for t in range(h + 1, min(h + info.k, self.n_units)):
+            if self._get32(self._slab(t)) == UNIT_TAIL:
+                self._set32(self._slab(t), UNIT_FREE)
+        o = self._cls_off(info.cid) + CLS_NSLABS
+        self._set32(o, max(0, self._get32(o) - 1))
+        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=1, orphans_freed=orphans)
+
+    # -- repair -------------------------------------------------------------------
+    def repair_pool(self) -> int:
+        """POOL was left dirty: rewrite TAIL entries from HEAD entries; returns fixes made."""
+        fixes = 0
+        covered = np.zeros(self.n_units, dtype=bool)
+        for h in np.flatnonzero(self.states == UNIT_HEAD):
+            h = int(h)
+            if covered[h]:
+                continue
+            c = self._get32(self._slab(h) + 4)
+            info = self.classes[c] if c < len(self.classes) else None
+            if info is None or h + info.k > self.n_units:
+                continue  # left to check(); class repair ignores unknown classes
+            covered[h:h + info.k] = True
+            for t in range(h + 1, h + info.k):
+                if self._get32(self._slab(t)) != UNIT_TAIL or self._get32(self._slab(t) + 4) != h:
+                    self._set32(self._slab(t) + 4, h)
+                    self._set32(self._slab(t), UNIT_TAIL)
+                    fixes += 1
+        for t in np.flatnonzero((self.states == UNIT_TAIL) & ~covered):
+            self._set32(self._slab(int(t)), UNIT_FREE)
+            fixes += 1
+        self.ctx.count(repairs=1)
+        return fixes
+
+    def class_slabs(self, cid: int) -> list[int]:
+        return [int(h) for h in np.flatnonzero((self.states == UNIT_HEAD) & (self.clsfield == cid))]
+
+    def repair_class(self, cid: int) -> int:
+        """CLASS[cid] was left dirty (or `check --repair`): rebuild the class from block metas.
+
+        Frees blocks of dead owners that never got published and LIVE blocks
+        the index does not point at; returns the number of blocks freed.
+        """
+        info = self.classes[cid] if cid < len(self.classes) else None
+        if info is None:
+            return 0
+        freed = 0
+        co = self._cls_off(cid)
+        self._set32(co + CLS_PARTIAL, 0)
+        heads = self.class_slabs(cid)
+        used_total = 0
+        for h in heads:
+            s = self._slab(h)
+            self._set32(s + SLAB_NEXT, 0)
+            self._set32(s + SLAB_PREV, 0)
+            self.mm[s + SLAB_INPARTIAL] = 0
+            bitmap = bytearray(32)
+            used = 0
+            for i in range(info.bps):
+                off = h * self.U + i * info.block
+                m = self.meta_off(off)
+                word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, m)
+                state = word & 3
+                if state == FREE:
+                    continue
+                if state not in (RESERVED, LIVE) or length > info.block:
+                    drop = True
+                elif owner:
+                    if self.ctx.slot_alive(owner):
+                        drop = False
+                    else:
+                        drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
+                        if not drop:
+                            U16.pack_into(self.mm, m + 28, 0)
+                else:
+                    drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
+                if drop:
+                    U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+                    U16.pack_into(self.mm, m + 28, 0)
+                    freed += 1
+                    continue
+                bitmap[i >> 3] |= 1 << (i & 7)
+                used += 1
+            self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = bytes(bitmap)
+            self._set32(s + SLAB_NBLOCKS, info.bps)
+            self._set32(s + SLAB_NFREE, info.bps - used)
+            used_total += used
+            if used < info.bps:
+                self._partial_push(cid, h)
+        self._set32(co + CLS_NSLABS, len(heads))
+        self._set32(co + CLS_USED, used_total)
+        self.ctx.count(repairs=1, orphans_freed=freed)
+        return freed
+
+    def resolve_owned(self, blocks, dead_owner: int) -> int:
+        """Reaping: settle blocks whose owner slot died. Returns blocks freed."""
+        by_class: dict[int, list[int]] = {}
+        for off in blocks:
+            h, info = self.head_of(off)
+            if info is not None:
+                by_class.setdefault(info.cid, []).append(off)
+        freed = 0
+        for cid, offs in by_class.items():
+            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+                for off in offs:
+                    loc = self.block_index(off)
+                    if loc is None:
+                        continue
+                    m = self.meta_off(off)
+                    word = U64.unpack_from(self.mm, m)[0]
+                    owner = U16.unpack_from(self.mm, m + 28)[0]
+                    if owner != dead_owner or word & 3 == FREE:
+                        continue
+                    d = bytes(self.mm[m + 8:m + 24])
+                    if word & 3 == LIVE and self.ctx.indexed_at(d, off, word):
+                        U16.pack_into(self.mm, m + 28, 0)
+                    else:
+                        self._free_block(loc[0], loc[1], loc[2], off)
+                        freed += 1
+        return freed
+
+
+__all__ = ["Allocator", "ClassInfo", "SHARD_LOCK_BASE"]

@@ -1,0 +1,276 @@
+"""On-file layout of a pool, exactly as docs/FORMAT.md describes it.
+
+Everything that knows a byte offset inside the header lives here, so the
+format has one home: structs for each record, the geometry planner that lays
+out the regions for a given file size, and superblock validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import time
+import zlib
+
+from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
+
+MAGIC = b"MARUSHM\0"
+VERSION = 1
+SUPERBLOCK_SIZE = 4096
+CHECKSUM_OFF = 252
+STATE_OFF = 256
+SLAB_HAND_OFF = 260
+CLASSES_VERSION_OFF = 264
+RETIRED_OFF = 272
+STATE_READY = 2
+
+FLAG_DEVICE = 1
+
+# --- locks ---------------------------------------------------------------
+LOCK_BASE = 1 << 40
+LOCK_IDS = 2048
+LOCK_INIT, LOCK_PROC, LOCK_CLASSTAB, LOCK_POOL = 0, 1, 2, 3
+CLASS_LOCK_BASE = 16
+SHARD_LOCK_BASE = 512
+SLOT_LOCK_BASE = 2048
+LOCK_RECORD = struct.Struct("<II")  # dirty, op
+
+# --- class table ---------------------------------------------------------
+CLASS_CAP = 256
+CLASS_ENTRY = 64
+CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head nslabs used declared_ns
+CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
+CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
+KIND_UNUSED, KIND_GEOMETRIC, KIND_EXACT = 0, 1, 2
+
+# --- process table -------------------------------------------------------
+PROC_ENTRY = 128
+PROC_HEAD = struct.Struct("<IIQQI")  # state pid start_ticks attach_ns uid
+PROC_COUNTERS_OFF = 32
+COUNTER_NAMES = (
+    "puts", "put_failures", "hits", "misses", "evictions", "evicted_bytes",
+    "slab_moves", "lock_timeouts", "repairs", "bytes_written", "bytes_read",
+    "orphans_freed",
+)
+N_COUNTERS = len(COUNTER_NAMES)
+COUNTERS = struct.Struct("<%dQ" % N_COUNTERS)
+
+# --- slab table ----------------------------------------------------------
+SLAB_ENTRY = 64
+SLAB_HEAD = struct.Struct("<IIIIII")  # state cls next prev nfree nblocks
+SLAB_STATE, SLAB_CLS, SLAB_NEXT, SLAB_PREV, SLAB_NFREE, SLAB_NBLOCKS = 0, 4, 8, 12, 16, 20
+SLAB_REF, SLAB_INPARTIAL, SLAB_BITMAP = 24, 25, 32
+BITMAP_BYTES = 32
+MAX_BLOCKS_PER_SLAB = BITMAP_BYTES * 8
+UNIT_FREE, UNIT_HEAD, UNIT_TAIL = 0, 1, 2
+
+# --- index ---------------------------------------------------------------
+SHARD_HEADER = 16
+SHARD_STRUCT = struct.Struct("<II")  # count hand
+ENTRY_SIZE = 32
+ENTRY_STRUCT = struct.Struct("<16sQQ")  # digest word offset
+ENTRY_WORD_OFF, ENTRY_OFFSET_OFF = 16, 24
+
+# --- block meta ----------------------------------------------------------
+META_SIZE = 32
+META_STRUCT = struct.Struct("<Q16sIHB")  # word digest length owner ref
+META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF = 8, 24, 28, 30
+FREE, RESERVED, LIVE = 0, 1, 2
+
+U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+U16 = struct.Struct("<H")
+
+SUPERBLOCK = struct.Struct("<8sIIQIIIIIIIIQQQQQQQQQQQQ16s")
+_SB_FIELDS = (
+    "magic", "version", "flags", "file_size", "granule", "unit_size", "n_units",
+    "n_geo_classes", "class_cap", "proc_slots", "index_shards", "shard_slots",
+    "max_value", "n_granules", "off_locks", "off_classes", "off_procs", "off_slabs",
+    "off_shards", "off_index", "off_blockmeta", "off_data", "data_bytes", "created_ns",
+    "pool_uuid",
+)
+assert SUPERBLOCK.size <= CHECKSUM_OFF
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Immutable layout of one pool; the superblock's immutable part."""
+
+    file_size: int
+    granule: int
+    unit_size: int
+    n_units: int
+    n_geo_classes: int
+    class_cap: int
+    proc_slots: int
+    index_shards: int
+    shard_slots: int
+    max_value: int
+    n_granules: int
+    off_locks: int
+    off_classes: int
+    off_procs: int
+    off_slabs: int
+    off_shards: int
+    off_index: int
+    off_blockmeta: int
+    off_data: int
+    data_bytes: int
+    created_ns: int
+    pool_uuid: bytes
+    flags: int = 0
+
+    @property
+    def index_slots(self) -> int:
+        return self.index_shards * self.shard_slots
+
+    @staticmethod
+    def plan(file_size: int, *, granule: int = 4096, unit_size: int = 1 << 20,
+             max_value: int = 64 << 20, index_slots: int | None = None,
+             index_shards: int = 64, proc_slots: int = 128, data_align: int | None = None,
+             flags: int = 0, n_geo_classes: int | None = None) -> "Geometry":
+        """Lay out a pool of `file_size` bytes; raise ValueError if it cannot hold one unit."""
+        if not _is_pow2(granule) or granule < 512:
+            raise ValueError(f"granule must be a power of two >= 512, got {granule}")
+        if not _is_pow2(unit_size) or unit_size < granule or unit_size > granule * MAX_BLOCKS_PER_SLAB:
+            raise ValueError(
+                f"unit_size must be a power of two between granule and 256 x granule, got {unit_size}")
+        if not _is_pow2(index_shards) or index_shards > SHARD_LOCK_BASE * 2 - SHARD_LOCK_BASE:
+            raise ValueError(f"index_shards must be a power of two <= 512, got {index_shards}")
+        if not 1 <= proc_slots <= LOCK_IDS:
+            raise ValueError(f"proc_slots must be in 1..{LOCK_IDS}, got {proc_slots}")
+        if max_value < granule:
+            raise ValueError("max_value must be at least one granule")
+        if n_geo_classes is None:
+            from .allocator.classes import geometric_sizes
+            n_geo_classes = len(geometric_sizes(granule, max_value))
+        if n_geo_classes > CLASS_CAP - 8:
+            raise ValueError("max_value / granule span too wide for the class table")
+        data_align = data_align or unit_size
+        page = 4096
+        off_locks = SUPERBLOCK_SIZE
+        off_classes = _align(off_locks + LOCK_IDS * LOCK_RECORD.size, page)
+        off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
+        off_slabs = _align(off_procs + proc_slots * PROC_ENTRY, page)
+
+        def layout(n_units: int, slots: int):
+            shard_slots = max(16, slots // index_shards)
+            off_shards = _align(off_slabs + n_units * SLAB_ENTRY, page)
+            off_index = _align(off_shards + index_shards * SHARD_HEADER, page)
+            off_meta = _align(off_index + index_shards * shard_slots * ENTRY_SIZE, page)
+            n_granules = n_units * unit_size // granule
+            off_data = _align(off_meta + n_granules * META_SIZE, data_align)
+            return shard_slots, off_shards, off_index, off_meta, n_granules, off_data
+
+        def slots_for(n_units: int) -> int:
+            want = index_slots if index_slots else max(index_shards * 64, n_units * unit_size // (16 << 10))
+            p = 1
+            while p < want:
+                p <<= 1
+            return p
+
+        # Largest n_units whose layout fits; per-unit cost bounds the first guess.
+        per_unit = unit_size + SLAB_ENTRY + unit_size // granule * META_SIZE
+        n_units = max(0, file_size // per_unit)
+        while n_units > 0:
+            lay = layout(n_units, slots_for(n_units))
+            if lay[5] + n_units * unit_size <= file_size:
+                break
+            n_units -= 1
+        if n_units <= 0:
+            raise ValueError(f"a pool of {file_size} bytes cannot hold one {unit_size}-byte unit plus its header")
+        if max_value > n_units * unit_size:
+            max_value = n_units * unit_size
+            from .allocator.classes import geometric_sizes
+            n_geo_classes = len(geometric_sizes(granule, max_value))
+        shard_slots, off_shards, off_index, off_meta, n_granules, off_data = layout(n_units, slots_for(n_units))
+        return Geometry(
+            file_size=file_size, granule=granule, unit_size=unit_size, n_units=n_units,
+            n_geo_classes=n_geo_classes, class_cap=CLASS_CAP, proc_slots=proc_slots,
+            index_shards=index_shards, shard_slots=shard_slots, max_value=max_value,
+            n_granules=n_granules, off_locks=off_locks, off_classes=off_classes,
+            off_procs=off_procs, off_slabs=off_slabs, off_shards=off_shards, off_index=off_index,
+            off_blockmeta=off_meta, off_data=off_data, data_bytes=n_units * unit_size,
+            created_ns=time.time_ns(), pool_uuid=os.urandom(16), flags=flags,
+        )
+
+    # -- superblock -------------------------------------------------------
+    def pack_superblock(self) -> bytes:
+        """Immutable part of the superblock, checksum included (252 + 4 bytes)."""
+        values = [MAGIC, VERSION] + [getattr(self, f) for f in _SB_FIELDS[2:]]
+        body = SUPERBLOCK.pack(*values).ljust(CHECKSUM_OFF, b"\0")
+        return body + U32.pack(zlib.crc32(body))
+
+    @staticmethod
+    def read(buf, actual_size: int) -> "Geometry":
+        """Parse and validate the superblock in `buf`; raise a StoreError subclass if wrong."""
+        if actual_size < SUPERBLOCK_SIZE:
+            raise NotAPoolError(f"file is {actual_size} bytes, smaller than a pool header; not a maru-shm pool")
+        raw = bytes(buf[:STATE_OFF + 4])
+        if raw[:8] != MAGIC:
+            raise NotAPoolError("not a maru-shm pool (wrong magic); refusing to touch it")
+        vals = dict(zip(_SB_FIELDS, SUPERBLOCK.unpack_from(raw, 0)))
+        if vals["version"] != VERSION:
+            raise VersionError(
+                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: "
+                "use a matching maru_shm or recreate the pool")
+        (stored,) = U32.unpack_from(raw, CHECKSUM_OFF)
+        if zlib.crc32(raw[:CHECKSUM_OFF]) != stored:
+            raise CorruptPoolError("pool header checksum mismatch: the header is damaged; recreate the pool")
+        (state,) = U32.unpack_from(raw, STATE_OFF)
+        if state != STATE_READY:
+            raise NotAPoolError("pool is not initialised (its creator did not finish); recreate it")
+        vals.pop("magic")
+        vals.pop("version")
+        geo = Geometry(**vals)
+        geo.validate()
+        if actual_size < geo.file_size:
+            raise TruncatedPoolError(
+                f"file is {actual_size} bytes but the pool was created with {geo.file_size}: "
+                "it was truncated; recreate the pool")
+        return geo
+
+    def validate(self) -> None:
+        """Cross-check the geometry so later arithmetic cannot leave the mapping."""
+        problems = []
+        if not _is_pow2(self.granule) or not _is_pow2(self.unit_size) or self.unit_size < self.granule:
+            problems.append("granule/unit size")
+        if self.unit_size > self.granule * MAX_BLOCKS_PER_SLAB:
+            problems.append("unit larger than 256 granules")
+        if not _is_pow2(self.index_shards) or not _is_pow2(self.shard_slots):
+            problems.append("index shape")
+        if self.n_granules != self.n_units * self.unit_size // self.granule:
+            problems.append("granule count")
+        if self.data_bytes != self.n_units * self.unit_size:
+            problems.append("data size")
+        if not 0 < self.n_geo_classes <= self.class_cap == CLASS_CAP:
+            problems.append("class table")
+        if not 0 < self.proc_slots <= LOCK_IDS:
+            problems.append("process table")
+        if self.index_shards > SHARD_LOCK_BASE:
+            problems.append("shard count")
+        order = [
+            (self.off_locks, LOCK_IDS * LOCK_RECORD.size), (self.off_classes, CLASS_CAP * CLASS_ENTRY),
+            (self.off_procs, self.proc_slots * PROC_ENTRY), (self.off_slabs, self.n_units * SLAB_ENTRY),
+            (self.off_shards, self.index_shards * SHARD_HEADER),
+            (self.off_index, self.index_slots * ENTRY_SIZE),
+            (self.off_blockmeta, self.n_granules * META_SIZE), (self.off_data, self.data_bytes),
+        ]
+        end = SUPERBLOCK_SIZE
+        for off, size in order:
+            if off < end:
+                problems.append(f"region at {off} overlaps")
+            end = off + size
+        if end > self.file_size:
+            problems.append("regions extend past the file size")
+        if problems:
+            raise CorruptPoolError("pool geometry is inconsistent (" + ", ".join(problems) + "); recreate the pool")

@@ -1,0 +1,184 @@
+"""Sharded open-addressing index: key digest -> (block word, data offset).
+
+Each shard is its own linear-probing table with its own lock, so writers of
+different keys rarely meet. Readers take no lock: they may see an entry
+mid-update, which is why a hit is only believed after the block meta agrees
+(see Store._validate). Deletion shifts later entries back (no tombstones), and
+a shard never exceeds 7/8 load: the writer evicts a cold entry first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, U64, Geometry)
+
+_ZERO_ENTRY = bytes(ENTRY_SIZE)
+
+
+def key_digest(key) -> bytes:
+    """128-bit BLAKE2b digest of a str or bytes key."""
+    if isinstance(key, str):
+        key = key.encode()
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+class Index:
+    """View of the index regions of one mapped pool."""
+
+    def __init__(self, mm, geo: Geometry):
+        self.mm = mm
+        self.off = geo.off_index
+        self.off_hdr = geo.off_shards
+        self.nshards = geo.index_shards
+        self.slots = geo.shard_slots
+        self.smask = geo.index_shards - 1
+        self.mask = geo.shard_slots - 1
+        self.limit = geo.shard_slots * 7 // 8
+        self.shard_bytes = geo.shard_slots * ENTRY_SIZE
+
+    # -- addressing ---------------------------------------------------------
+    def shard_of(self, d: bytes) -> int:
+        return int.from_bytes(d[0:8], "little") & self.smask
+
+    def home_of(self, d: bytes) -> int:
+        return int.from_bytes(d[8:16], "little") & self.mask
+
+    def entry_off(self, shard: int, pos: int) -> int:
+        return self.off + shard * self.shard_bytes + pos * ENTRY_SIZE
+
+    # -- lock-free lookup ------------------------------------------------------
+    def find(self, d: bytes):
+        """(word, offset) of the entry for digest d, or None. No lock; bounded probe."""
+        base = self.off + (int.from_bytes(d[0:8], "little") & self.smask) * self.shard_bytes
+        pos = int.from_bytes(d[8:16], "little") & self.mask
+        mm, unpack, mask = self.mm, ENTRY_STRUCT.unpack_from, self.mask
+        for _ in range(self.slots):
+            ed, word, offset = unpack(mm, base + pos * ENTRY_SIZE)
+            if word == 0:
+                return None
+            if ed == d:
+                return word, offset
+            pos = (pos + 1) & mask
+        return None
+
+    # -- under the shard lock ----------------------------------------------------
+    def count(self, shard: int) -> int:
+        return SHARD_STRUCT.unpack_from(self.mm, self.off_hdr + shard * SHARD_HEADER)[0]
+
+    def _set_count(self, shard: int, n: int) -> None:
+        self.mm[self.off_hdr + shard * SHARD_HEADER:self.off_hdr + shard * SHARD_HEADER + 4] = n.to_bytes(4, "little")
+
+    def _find_pos(self, shard: int, d: bytes):
+        pos = self.home_of(d)
+        for _ in range(self.slots):
+            ed, word, offset = ENTRY_STRUCT.unpack_from(self.mm, self.entry_off(shard, pos))
+            if word == 0:
+                return None, pos
+            if ed == d:
+                return (word, offset), pos
+            pos = (pos + 1) & self.mask
+        return None, None
+
+    def is_full(self, shard: int) -> bool:
+        return self.count(shard) >= self.limit
+
+    def put(self, shard: int, d: bytes, word: int, offset: int):
+        """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit."""
+        found, pos = self._find_pos(shard, d)
+        if pos is None:
+            raise RuntimeError("index shard has no empty slot")  # impossible below the load limit
+        e = self.entry_off(shard, pos)
+        if found is None:
+            self.mm[e:e + 16] = d
+            U64.pack_into(self.mm, e + 24, offset)
+            U64.pack_into(self.mm, e + 16, word)  # publication point
+            self._set_count(shard, self.count(shard) + 1)
+            return None
+        # A reader pairing the old word with the new offset fails block validation: a miss.
+        U64.pack_into(self.mm, e + 24, offset)
+        U64.pack_into(self.mm, e + 16, word)
+        return found
+
+    def remove(self, shard: int, d: bytes, offset: int | None = None, word: int | None = None):
+        """Remove the entry for d (only if it names offset/word when given); return (word, offset) or None."""
+        found, pos = self._find_pos(shard, d)
+        if found is None:
+            return None
+        if (offset is not None and found[1] != offset) or (word is not None and found[0] != word):
+            return None
+        self._delete_at(shard, pos)
+        self._set_count(shard, max(0, self.count(shard) - 1))
+        return found
+
+    def _delete_at(self, shard: int, hole: int) -> None:
+        """Backward-shift deletion: pull later entries of the cluster into the hole."""
+        mm, mask = self.mm, self.mask
+        j = hole
+        for _ in range(self.slots):
+            j = (j + 1) & mask
+            ej = self.entry_off(shard, j)
+            ed, word, offset = ENTRY_STRUCT.unpack_from(mm, ej)
+            if word == 0:
+                break
+            k = self.home_of(ed)
+            stays = (hole < k <= j) if hole <= j else (k > hole or k <= j)
+            if stays:
+                continue
+            eh = self.entry_off(shard, hole)
+            U64.pack_into(mm, eh + 16, 0)
+            mm[eh:eh + 16] = ed
+            U64.pack_into(mm, eh + 24, offset)
+            U64.pack_into(mm, eh + 16, word)
+            hole = j
+        eh = self.entry_off(shard, hole)
+        U64.pack_into(mm, eh + 16, 0)
+        mm[eh:eh + ENTRY_SIZE] = _ZERO_ENTRY
+
+    def clock_victim(self, shard: int, is_referenced):
+        """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset)."""
+        hdr = self.off_hdr + shard * SHARD_HEADER
+        count, hand = SHARD_STRUCT.unpack_from(self.mm, hdr)
+        hand &= self.mask
+        fallback = None
+        for _ in range(2 * self.slots):
+            ed, word, offset = ENTRY_STRUCT.unpack_from(self.mm, self.entry_off(shard, hand))
+            hand = (hand + 1) & self.mask
+            if word == 0:
+                continue
+            if fallback is None:
+                fallback = (ed, word, offset)
+            if is_referenced(offset, clear=True):
+                continue
+            SHARD_STRUCT.pack_into(self.mm, hdr, count, hand)
+            return ed, word, offset
+        SHARD_STRUCT.pack_into(self.mm, hdr, count, hand)
+        return fallback
+
+    def entries(self, shard: int):
+        """All non-empty (pos, digest, word, offset) of a shard (bounded scan)."""
+        out = []
+        for pos in range(self.slots):
+            ed, word, offset = ENTRY_STRUCT.unpack_from(self.mm, self.entry_off(shard, pos))
+            if word:
+                out.append((pos, ed, word, offset))
+        return out
+
+    def rebuild(self, shard: int, keep) -> tuple[int, int]:
+        """Drop entries `keep(d, word, offset)` rejects and duplicates, re-insert the rest.
+
+        Returns (kept, dropped). Used by shard repair after a holder died mid-update.
+        """
+        seen = {}
+        dropped = 0
+        for _, ed, word, offset in self.entries(shard):
+            if ed in seen or not keep(ed, word, offset):
+                dropped += 1
+                continue
+            seen[ed] = (word, offset)
+        start = self.entry_off(shard, 0)
+        self.mm[start:start + self.shard_bytes] = bytes(self.shard_bytes)
+        SHARD_STRUCT.pack_into(self.mm, self.off_hdr + shard * SHARD_HEADER, 0, 0)
+        for ed, (word, offset) in list(seen.items())[:self.limit]:
+            self.put(shard, ed, word, offset)
+        return len(seen), dropped

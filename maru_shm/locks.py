@@ -1,0 +1,157 @@
+"""Crash-safe, sharded, timed locks: OFD record locks plus a dirty record per lock.
+
+An OFD lock (`F_OFD_SETLK`) belongs to an open file description, so the
+kernel drops it when its holder dies, whatever the holder was doing. The
+kernel cannot say *what* the holder left half done, so each lock has a
+record in the pool (`dirty`): set on entry, cleared on a clean exit. The next
+holder that finds it set repairs that lock's domain first (LMDB's stale
+reader check, applied to every critical section).
+
+OFD locks do not exclude threads sharing one descriptor, so every lock id
+also has a `threading.Lock` in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+import threading
+import time
+
+from .errors import LockTimeout
+from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
+                     LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
+_F_WRLCK, _F_UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
+
+
+def lock_name(lock_id: int) -> str:
+    """Readable name of a lock id, for errors and `inspect`."""
+    fixed = {LOCK_INIT: "INIT", LOCK_PROC: "PROC", LOCK_CLASSTAB: "CLASSTAB", LOCK_POOL: "POOL"}
+    if lock_id in fixed:
+        return fixed[lock_id]
+    if lock_id >= SLOT_LOCK_BASE:
+        return f"SLOT[{lock_id - SLOT_LOCK_BASE}]"
+    if lock_id >= SHARD_LOCK_BASE:
+        return f"SHARD[{lock_id - SHARD_LOCK_BASE}]"
+    if lock_id >= CLASS_LOCK_BASE:
+        return f"CLASS[{lock_id - CLASS_LOCK_BASE}]"
+    return f"LOCK[{lock_id}]"
+
+
+def _flock(kind: int, lock_id: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, 1, 0)
+
+
+def ofd_trylock(fd: int, lock_id: int) -> bool:
+    """Take one OFD lock without waiting; False if another description holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_WRLCK, lock_id))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def ofd_unlock(fd: int, lock_id: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_UNLCK, lock_id))
+
+
+def ofd_is_held(fd: int, lock_id: int) -> bool:
+    """True if some other open file description holds the lock (does not take it)."""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(_F_WRLCK, lock_id))
+    return _FLOCK.unpack(res)[0] != _F_UNLCK
+
+
+class LockTable:
+    """All locks of one attached pool, for one process (shared by its threads)."""
+
+    def __init__(self, fd: int, mm, off_records: int, timeout: float):
+        self.fd = fd
+        self.mm = mm
+        self.off_records = off_records
+        self.timeout = timeout
+        self.slot_plus1 = 0  # set once this process has a proc slot
+        self._threads: dict[int, threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.timeouts = 0
+
+    def _tlock(self, lock_id: int) -> threading.Lock:
+        t = self._threads.get(lock_id)
+        if t is None:
+            with self._guard:
+                t = self._threads.setdefault(lock_id, threading.Lock())
+        return t
+
+    def acquire(self, lock_id: int, *, blocking: bool = True, timeout: float | None = None) -> bool | None:
+        """Take the lock; return True if its previous holder left it dirty, None if not blocking and busy.
+
+        Raises LockTimeout when a blocking wait exceeds the timeout.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        tl = self._tlock(lock_id)
+        if not tl.acquire(blocking, timeout if blocking else -1):
+            if not blocking:
+                return None
+            self.timeouts += 1
+            raise LockTimeout(self._timeout_message(lock_id, timeout))
+        try:
+            delay = 20e-6
+            while not ofd_trylock(self.fd, lock_id):
+                if not blocking:
+                    tl.release()
+                    return None
+                now = time.monotonic()
+                if now >= deadline:
+                    self.timeouts += 1
+                    raise LockTimeout(self._timeout_message(lock_id, timeout))
+                time.sleep(min(delay, deadline - now))
+                delay = min(delay * 2, 2e-3)
+        except BaseException:
+            if tl.locked():
+                tl.release()
+            raise
+        dirty = False
+        if lock_id < LOCK_IDS:
+            off = self.off_records + lock_id * LOCK_RECORD.size
+            holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
+            dirty = holder != 0
+            LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
+        return dirty
+
+    def release(self, lock_id: int, *, clean: bool = True) -> None:
+        """Release; with clean=False the dirty mark stays so the next holder repairs."""
+        if clean and lock_id < LOCK_IDS:
+            LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
+        ofd_unlock(self.fd, lock_id)
+        self._tlock(lock_id).release()
+
+    @contextlib.contextmanager
+    def hold(self, lock_id: int, repair=None, timeout: float | None = None):
+        """Context manager: acquire, run `repair()` if the last holder died inside, release.
+
+        An exception inside the block leaves the dirty mark set, as a crash would.
+        """
+        dirty = self.acquire(lock_id, timeout=timeout)
+        ok = False
+        try:
+            if dirty and repair is not None:
+                repair()
+            yield dirty
+            ok = True
+        finally:
+            self.release(lock_id, clean=ok)
+
+    def _timeout_message(self, lock_id: int, timeout: float) -> str:
+        holder = 0
+        if lock_id < LOCK_IDS:
+            holder, _ = LOCK_RECORD.unpack_from(self.mm, self.off_records + lock_id * LOCK_RECORD.size)
+        who = f" (held by process slot {holder - 1})" if 0 < holder < 0xFFFFFFFF else ""
+        return (f"timed out after {timeout:.3g}s waiting for lock {lock_name(lock_id)}{who}; "
+                "a holder may be stopped or very slow; raise the timeout or inspect the pool")

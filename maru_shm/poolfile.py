@@ -1,0 +1,206 @@
+"""Opening, creating and mapping the one file that is the pool.
+
+Regular files (normally under /dev/shm) are created with O_EXCL and sized with
+ftruncate; DAX character devices are used at their own size, read from
+sysfs, with 2 MiB alignment and the locks on a side file. Exactly one of
+several racing creators initialises the pool: whoever holds the INIT lock
+and finds the file uninitialised.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import time
+
+from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError)
+from .format import (LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
+                     Geometry)
+from .locks import ofd_trylock, ofd_unlock
+
+DAX_ALIGN = 2 << 20
+
+
+def dax_size(path: str, sysfs_root: str = "/sys") -> int:
+    """Size in bytes of a /dev/daxN.M device, from /sys/bus/dax/devices/daxN.M/size."""
+    name = os.path.basename(path)
+    for candidate in (f"{sysfs_root}/bus/dax/devices/{name}/size", f"{sysfs_root}/class/dax/{name}/size"):
+        try:
+            with open(candidate) as f:
+                return int(f.read().strip(), 0)
+        except (OSError, ValueError):
+            continue
+    raise StoreError(f"cannot read the size of DAX device {path} from sysfs ({sysfs_root}/bus/dax/devices/{name}/size)")
+
+
+def side_lock_path(path: str) -> str:
+    """Where a DAX device keeps its locks: a regular file in /dev/shm named after the device."""
+    return f"/dev/shm/.maru_shm-{os.path.basename(path)}.lock"
+
+
+class PoolFile:
+    """An open, mapped pool file: fd, lock fd, mmap, geometry."""
+
+    def __init__(self, fd: int, lock_fd: int, mm: mmap.mmap, geo: Geometry, path: str, is_device: bool,
+                 created: bool):
+        self.fd, self.lock_fd, self.mm, self.geo = fd, lock_fd, mm, geo
+        self.path, self.is_device, self.created = path, is_device, created
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        finally:
+            if self.lock_fd != self.fd:
+                os.close(self.lock_fd)
+            os.close(self.fd)
+
+
+def _check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool) -> None:
+    if not allow_foreign_owner and st.st_uid != os.geteuid():
+        raise PermissionDeniedError(
+            f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()}); "
+            "refusing to share memory with another user (pass allow_foreign_owner=True to override)")
+
+
+def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    if create:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
+        except FileExistsError:
+            pass
+    try:
+        return os.open(path, flags), False
+    except FileNotFoundError:
+        raise StoreError(f"{path} does not exist; create it with Store.open(path, size=..., create=True) "
+                         "or `maru-shm create`") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
+        if e.errno in (13, 1):
+            raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
+        raise StoreError(f"cannot open {path}: {e.strerror}") from None
+
+
+def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, timeout: float,
+                   allow_foreign_owner: bool, plan_kwargs: dict) -> PoolFile:
+    """Open (and if asked, create and initialise) the pool at `path` and map it."""
+    if os.path.islink(path):
+        raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path")
+    fd, created = _open_fd(path, create, mode)
+    lock_fd = fd
+    try:
+        st = os.fstat(fd)
+        is_device = stat.S_ISCHR(st.st_mode)
+        if not is_device and not stat.S_ISREG(st.st_mode):
+            raise NotAPoolError(f"{path} is neither a regular file nor a DAX device")
+        _check_owner(st, path, allow_foreign_owner)
+        if is_device:
+            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        if created and mode & 0o077:
+            os.fchmod(fd, mode)  # umask must not narrow a requested group mode
+        deadline = time.monotonic() + timeout
+        while True:
+            _take_init_lock(lock_fd, path, timeout)
+            try:
+                geo = _initialise_or_read(fd, path, is_device, size, create, plan_kwargs)
+                break
+            except _NotReady as e:
+                if time.monotonic() > deadline:
+                    raise NotAPoolError(str(e)) from None
+            finally:
+                ofd_unlock(lock_fd, LOCK_INIT)
+            time.sleep(0.005)  # a creator may be between O_EXCL and taking INIT
+        mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # The header may have been rewritten by a racing creator between read and map: re-read.
+        geo2 = Geometry.read(mm, geo.file_size)
+        if geo2 != geo:
+            mm.close()
+            raise StoreError(f"{path} changed while it was being opened; retry")
+        return PoolFile(fd, lock_fd, mm, geo, path, is_device, created)
+    except BaseException:
+        if lock_fd != fd:
+            os.close(lock_fd)
+        os.close(fd)
+        raise
+
+
+class _NotReady(Exception):
+    pass
+
+
+def _take_init_lock(fd: int, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ofd_trylock(fd, LOCK_INIT):
+        if time.monotonic() > deadline:
+            from .errors import LockTimeout
+            raise LockTimeout(f"timed out after {timeout:.3g}s waiting for another process to initialise {path}")
+        time.sleep(0.001)
+
+
+def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, create: bool,
+                        plan_kwargs: dict) -> Geometry:
+    """Holding INIT: read a ready pool, or initialise an empty/unfinished one if `create`."""
+    actual = dax_size(path) if is_device else os.fstat(fd).st_size
+    head = os.pread(fd, STATE_OFF + 4, 0) if actual >= STATE_OFF + 4 else b""
+    ready = len(head) == STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
+    if ready:
+        geo = Geometry.read(head, actual)
+        if size is not None and size != geo.file_size and not is_device:
+            raise SizeMismatchError(
+                f"{path} is an existing pool of {geo.file_size} bytes, but size={size} was asked for; "
+                "omit size to open it as it is, or destroy and recreate it")
+        return geo
+    uninitialised = not any(head[:8]) or head[:8] == MAGIC or actual == 0
+    if not create:
+        if actual == 0 or uninitialised:
+            raise _NotReady(f"{path} is not an initialised maru-shm pool (its creator did not finish); "
+                                "open it with create=True to initialise it")
+        raise NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to touch it")
+    if not uninitialised:
+        raise NotAPoolError(f"{path} exists and is not a maru-shm pool (wrong magic); refusing to overwrite it")
+    if is_device:
+        file_size = actual
+        plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE)
+    else:
+        if size is None:
+            if actual == 0:
+                raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
+            size = actual
+        file_size = size
+    try:
+        geo = Geometry.plan(file_size, **plan_kwargs)
+    except ValueError as e:
+        raise StoreError(f"cannot create a pool at {path}: {e}") from None
+    if not is_device:
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, file_size)
+    _write_header(fd, geo, is_device)
+    return geo
+
+
+def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
+    """Zero the header regions, write the superblock with magic last and state=READY after it."""
+    mm = mmap.mmap(fd, geo.off_data, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        if is_device:  # a device is not zero-filled by ftruncate
+            chunk = 1 << 20
+            for off in range(0, geo.off_data, chunk):
+                n = min(chunk, geo.off_data - off)
+                mm[off:off + n] = bytes(n)
+        sb = geo.pack_superblock()
+        mm[8:len(sb)] = sb[8:]
+        from .allocator.classes import geometric_sizes, slab_shape
+        from .format import (CLASS_ENTRY, CLASS_STRUCT, KIND_GEOMETRIC)
+        for cid, bsize in enumerate(geometric_sizes(geo.granule, geo.max_value)):
+            k, n = slab_shape(bsize, geo.unit_size)
+            CLASS_STRUCT.pack_into(mm, geo.off_classes + cid * CLASS_ENTRY, KIND_GEOMETRIC, k, bsize, n, 0, 0, 0, 0)
+        mm[0:8] = MAGIC
+        U32.pack_into(mm, STATE_OFF, STATE_READY)
+        mm.flush() if is_device else None
+    finally:
+        mm.close()
+
+
+__all__ = ["PoolFile", "open_pool_file", "dax_size", "side_lock_path", "SUPERBLOCK_SIZE"]

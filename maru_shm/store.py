@@ -1,0 +1,497 @@
+"""The public Store: one mapped pool file shared by every process that opens it.
+
+A Store is an attachment of this process to a pool: it holds the mapping, a
+process-table slot (and that slot's lock, which proves it alive), and the
+per-process counters. Reads take no lock; writes take one class lock to
+reserve blocks and one shard lock per index shard to publish them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .allocator import Allocator
+from .errors import PoolClosedError, StoreError, ValueTooLargeError
+from .format import (COUNTER_NAMES, COUNTERS, FREE, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry)
+from .index import Index, key_digest
+from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
+from .poolfile import PoolFile, open_pool_file
+from .sizes import parse_size
+
+_COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
+Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, in order
+
+
+def _start_ticks(pid: int) -> int:
+    """Process start time in clock ticks (field 22 of /proc/<pid>/stat), 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
+    """(address, nbytes, keepalive) of a contiguous buffer."""
+    arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    if writable and not arr.flags.writeable:
+        raise TypeError("destination buffer is read-only")
+    if not arr.flags.c_contiguous:
+        raise TypeError("buffer must be contiguous")
+    return arr.ctypes.data, arr.nbytes, arr
+
+
+class Store:
+    """A maru-shm pool attached to this process. Use `Store.open(...)`."""
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, path: str, size=None, create: bool = False, *, mode: int = 0o600, timeout: float = 2.0,
+             allow_foreign_owner: bool = False, granule: int = 4096, unit_size: int = 1 << 20,
+             max_value="64M", index_slots: int | None = None, index_shards: int = 64,
+             proc_slots: int = 128) -> "Store":
+        """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
+
+        Creation knobs (ignored for an existing pool, whose geometry is read
+        from its header): granule (smallest block), unit_size (slab unit),
+        max_value, index_slots, index_shards, proc_slots.
+        """
+        size_b = parse_size(size) if size is not None else None
+        plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
+                    index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots)
+        pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
+                            allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
+        try:
+            return cls(pf, timeout)
+        except BaseException:
+            pf.close()
+            raise
+
+    def __init__(self, pf: PoolFile, timeout: float):
+        self._pf = pf
+        self.path = pf.path
+        self.mm = pf.mm
+        self.geo: Geometry = pf.geo
+        self.created = pf.created
+        self.locks = LockTable(pf.lock_fd, pf.mm, pf.geo.off_locks, timeout)
+        self.index = Index(pf.mm, pf.geo)
+        self._anchor = ctypes.c_char.from_buffer(pf.mm)
+        self._data = ctypes.addressof(self._anchor) + pf.geo.off_data
+        self._counters = [0] * N_COUNTERS
+        self._closed = False
+        self.slot = -1
+        self.alloc = Allocator(self)
+        self._attach()
+        self.reap_dead()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<maru_shm.Store {self.path!r} slot={self.slot} {'closed' if self._closed else 'open'}>"
+
+    @property
+    def timeout(self) -> float:
+        return self.locks.timeout
+
+    @property
+    def data_address(self) -> int:
+        """Address of the data area in this process (for benchmarks comparing raw copies)."""
+        return self._data
+
+    def close(self) -> None:
+        """Detach: publish counters, free the process slot, unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._detach()
+        finally:
+            self.alloc.release_views()
+            del self._anchor
+            self._pf.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("store is closed")
+
+    # ---------------------------------------------------------------- process table
+    def _slot_off(self, slot: int) -> int:
+        return self.geo.off_procs + slot * PROC_ENTRY
+
+    def _attach(self) -> None:
+        with self.locks.hold(LOCK_PROC):
+            for slot in range(self.geo.proc_slots):
+                state = PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0]
+                if state != 0:
+                    continue
+                if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
+                    continue  # being reaped right now
+                pid = os.getpid()
+                o = self._slot_off(slot)
+                self.mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
+                PROC_HEAD.pack_into(self.mm, o, 1, pid, _start_ticks(pid), time.time_ns(), os.geteuid())
+                self.slot = slot
+                self.locks.slot_plus1 = slot + 1
+                return
+        raise StoreError(f"process table of {self.path} is full ({self.geo.proc_slots} slots); "
+                         "detach idle processes or recreate the pool with more proc_slots")
+
+    def _detach(self) -> None:
+        if self.slot < 0:
+            return
+        self.flush_counters()
+        try:
+            with self.locks.hold(LOCK_PROC):
+                self._retire_slot(self.slot)
+        finally:
+            ofd_unlock(self.locks.fd, SLOT_LOCK_BASE + self.slot)
+            self.slot = -1
+
+    def _retire_slot(self, slot: int) -> None:
+        """PROC held: add a slot's counters to the retired totals and free the slot."""
+        o = self._slot_off(slot)
+        mine = COUNTERS.unpack_from(self.mm, o + PROC_COUNTERS_OFF)
+        total = COUNTERS.unpack_from(self.mm, RETIRED_OFF)
+        COUNTERS.pack_into(self.mm, RETIRED_OFF, *[(a + b) & (2**64 - 1) for a, b in zip(total, mine)])
+        self.mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
+
+    def slot_alive(self, owner_plus1: int) -> bool:
+        """Is the process in slot owner_plus1 - 1 alive? Its SLOT lock is held exactly while it lives."""
+        slot = owner_plus1 - 1
+        if slot == self.slot:
+            return True
+        if not 0 <= slot < self.geo.proc_slots:
+            return False
+        return ofd_is_held(self.locks.fd, SLOT_LOCK_BASE + slot)
+
+    def reap_dead(self, under_pressure: bool = False) -> int:
+        """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
+        reaped = 0
+        for slot in range(self.geo.proc_slots):
+            if slot == self.slot or PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0] == 0:
+                continue
+            if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
+                continue  # alive (or being reaped by someone else)
+            try:
+                if PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0] == 0:
+                    continue
+                self._reap_slot(slot)
+                reaped += 1
+            finally:
+                ofd_unlock(self.locks.fd, SLOT_LOCK_BASE + slot)
+        return reaped
+
+    def _reap_slot(self, slot: int) -> None:
+        owners = np.ndarray((self.geo.n_granules,), dtype="<u2", buffer=self.mm,
+                            offset=self.geo.off_blockmeta + 28, strides=(32,))
+        try:
+            granules = np.flatnonzero(owners == slot + 1)
+        finally:
+            del owners
+        blocks = []
+        for g in granules.tolist():
+            # a block starts in this granule; recover its exact offset from its slab
+            h, info = self.alloc.head_of(g * self.geo.granule)
+            if info is None:
+                continue
+            rel = g * self.geo.granule - h * self.geo.unit_size
+            i = -(-rel // info.block)
+            off = h * self.geo.unit_size + i * info.block
+            if off // self.geo.granule == g:
+                blocks.append(off)
+        self.alloc.resolve_owned(blocks, slot + 1)
+        with self.locks.hold(LOCK_PROC):
+            self._retire_slot(slot)
+        self.count(repairs=1)
+
+    # ---------------------------------------------------------------- hooks used by the allocator
+    def count(self, **kw) -> None:
+        c = self._counters
+        for name, v in kw.items():
+            c[_COUNTER_POS[name]] += v
+
+    def flush_counters(self) -> None:
+        if self.slot >= 0:
+            c = self._counters
+            c[_COUNTER_POS["lock_timeouts"]] = self.locks.timeouts
+            COUNTERS.pack_into(self.mm, self._slot_off(self.slot) + PROC_COUNTERS_OFF,
+                               *[v & (2**64 - 1) for v in c])
+
+    def _shard_repair(self, shard: int):
+        def repair():
+            self.index.rebuild(shard, self._entry_valid)
+            self.count(repairs=1)
+        return repair
+
+    def _entry_valid(self, d: bytes, word: int, offset: int) -> bool:
+        if not 0 <= offset < self.geo.data_bytes:
+            return False
+        m = self.alloc.meta_off(offset)
+        return U64.unpack_from(self.mm, m)[0] == word and bytes(self.mm[m + 8:m + 24]) == d
+
+    def unpublish(self, d: bytes, offset: int, word: int) -> bool:
+        """Remove the index entry of d if it names this block; True if it did."""
+        s = self.index.shard_of(d)
+        with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
+            return self.index.remove(s, d, offset=offset, word=word) is not None
+
+    def indexed_at(self, d: bytes, offset: int, word: int) -> bool:
+        return self.index.find(d) == (word, offset)
+
+    # ---------------------------------------------------------------- sizes
+    def declare_size(self, nbytes: int) -> int:
+        """Give values of exactly `nbytes` an exact-fit size class (e.g. a KV page); returns its class id."""
+        self._check_open()
+        return self.alloc.declare_exact(int(nbytes)).cid
+
+    @property
+    def max_value(self) -> int:
+        return self.geo.max_value
+
+    # ---------------------------------------------------------------- read path (lock-free)
+    def _lookup(self, d: bytes):
+        """(offset, word, length, meta offset) of the committed value of d, or None."""
+        found = self.index.find(d)
+        if found is None:
+            return None
+        word, offset = found
+        if not 0 <= offset < self.geo.data_bytes:
+            return None
+        m = self.geo.off_blockmeta + (offset // self.geo.granule) * 32
+        w1 = U64.unpack_from(self.mm, m)[0]
+        if w1 != word or w1 & 3 != LIVE or self.mm[m + 8:m + 24] != d:
+            return None
+        length = int.from_bytes(self.mm[m + 24:m + 28], "little")
+        if offset + length > self.geo.data_bytes:
+            return None
+        return offset, w1, length, m
+
+    def _copy_out(self, found, pieces: Pieces) -> bool:
+        offset, w1, length, m = found
+        src = self._data + offset
+        for addr, n in pieces:
+            ctypes.memmove(addr, src, n)
+            src += n
+        if U64.unpack_from(self.mm, m)[0] != w1:
+            return False
+        self.mm[m + 30] = 1
+        self.mm[self.geo.off_slabs + (offset // self.geo.unit_size) * 64 + 24] = 1
+        return True
+
+    def get_pieces(self, key, pieces: Pieces) -> bool:
+        """Load the value of `key` into destination pieces whose total length must equal it exactly."""
+        return self.batch_get_pieces([key], [pieces])[0]
+
+    def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces]) -> list[bool]:
+        self._check_open()
+        out = []
+        hits = misses = nbytes = 0
+        for key, pieces in zip(keys, pieces_list):
+            found = self._lookup(key_digest(key))
+            ok = found is not None and sum(n for _, n in pieces) == found[2] and self._copy_out(found, pieces)
+            if ok:
+                hits += 1
+                nbytes += found[2]
+            else:
+                misses += 1
+            out.append(ok)
+        self.count(hits=hits, misses=misses, bytes_read=nbytes)
+        self.flush_counters()
+        return out
+
+    def get_into(self, key, out) -> int | None:
+        """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
+        return self.batch_get_into([key], [out])[0]
+
+    def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
+        self._check_open()
+        res: list[int | None] = []
+        hits = misses = nbytes = 0
+        for key, out in zip(keys, outs):
+            addr, cap, keep = _buffer_address(out, writable=True)
+            r = None
+            for _ in range(3):  # a concurrent overwrite may move the key: retry briefly
+                found = self._lookup(key_digest(key))
+                if found is None or found[2] > cap:
+                    break
+                if self._copy_out(found, [(addr, found[2])]):
+                    r = found[2]
+                    break
+            del keep
+            if r is None:
+                misses += 1
+            else:
+                hits += 1
+                nbytes += r
+            res.append(r)
+        self.count(hits=hits, misses=misses, bytes_read=nbytes)
+        self.flush_counters()
+        return res
+
+    def get(self, key) -> bytes | None:
+        """The value of `key`, or None."""
+        self._check_open()
+        for _ in range(3):
+            found = self._lookup(key_digest(key))
+            if found is None:
+                break
+            buf = bytearray(found[2])
+            if self.get_into(key, buf) == found[2]:
+                return bytes(buf)
+        self.count(misses=1)
+        return None
+
+    def exists(self, key) -> bool:
+        self._check_open()
+        return self._lookup(key_digest(key)) is not None
+
+    def batch_exists(self, keys: Iterable) -> list[bool]:
+        self._check_open()
+        lookup = self._lookup
+        return [lookup(key_digest(k)) is not None for k in keys]
+
+    def length_of(self, key) -> int | None:
+        """Stored length of `key`, or None."""
+        found = self._lookup(key_digest(key))
+        return None if found is None else found[2]
+
+    # ---------------------------------------------------------------- write path
+    def put(self, key, value) -> bool:
+        """Store `value` (any contiguous buffer) under `key`; True once committed and visible.
+
+        Raises ValueTooLargeError if no size class holds the value.
+        """
+        addr, n, keep = _buffer_address(value, writable=False)
+        if n > self.geo.max_value:
+            raise ValueTooLargeError(f"value of {n} bytes exceeds the pool's largest class ({self.geo.max_value})")
+        ok = self.batch_put_pieces([key], [[(addr, n)]])[0]
+        del keep
+        return ok
+
+    def put_pieces(self, key, pieces: Pieces) -> bool:
+        """Store one value gathered from source pieces (address, nbytes) without an intermediate buffer."""
+        return self.batch_put_pieces([key], [pieces])[0]
+
+    def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False) -> list[bool]:
+        keeps = [_buffer_address(v, writable=False) for v in values]
+        res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing)
+        del keeps
+        return res
+
+    def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
+                         skip_existing: bool = False) -> list[bool]:
+        """Store many values; per key True once committed and visible (or already present with skip_existing)."""
+        self._check_open()
+        n = len(keys)
+        res = [False] * n
+        digests = [key_digest(k) for k in keys]
+        lengths = [sum(p[1] for p in pieces) for pieces in pieces_list]
+        groups: dict[int, tuple] = {}
+        for i in range(n):
+            if skip_existing and self._lookup(digests[i]) is not None:
+                res[i] = True
+                continue
+            info = self.alloc.class_for(lengths[i]) if lengths[i] <= self.geo.max_value else None
+            if info is None:
+                continue
+            groups.setdefault(info.cid, (info, []))[1].append(i)
+        owner = self.slot + 1
+        placed: list[tuple[int, int]] = []
+        for info, idxs in groups.values():
+            offs = self.alloc.allocate(info, [(digests[i], lengths[i]) for i in idxs], owner)
+            if len(offs) < len(idxs) and self.reap_dead(under_pressure=True):
+                rest = idxs[len(offs):]
+                offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
+            placed.extend(zip(idxs, offs))
+        # copy and commit, without locks
+        committed = []
+        data, data_end, mm = self._data, self.geo.data_bytes, self.mm
+        for i, off in placed:
+            if off + lengths[i] > data_end:
+                raise StoreError("internal error: block outside the data area")
+            dst = data + off
+            for addr, nb in pieces_list[i]:
+                ctypes.memmove(dst, addr, nb)
+                dst += nb
+            m = self.alloc.meta_off(off)
+            w = U64.unpack_from(mm, m)[0]
+            live = (((w >> 2) + 1) << 2) | LIVE
+            U64.pack_into(mm, m, live)
+            committed.append((i, off, live, m))
+        # publish, one shard lock per shard
+        by_shard: dict[int, list] = {}
+        for item in committed:
+            by_shard.setdefault(self.index.shard_of(digests[item[0]]), []).append(item)
+        to_free: list[tuple[int, int]] = []
+        evicted = evicted_bytes = 0
+        for s, items in by_shard.items():
+            with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
+                for i, off, live, m in items:
+                    if U64.unpack_from(mm, m)[0] != live:
+                        continue
+                    while self.index.is_full(s):
+                        victim = self.index.clock_victim(s, self.alloc.is_referenced)
+                        if victim is None:
+                            break
+                        vd, vword, voff = victim
+                        self.index.remove(s, vd)
+                        to_free.append((voff, vword))
+                        evicted += 1
+                        if 0 <= voff < data_end:
+                            evicted_bytes += int.from_bytes(mm[self.alloc.meta_off(voff) + 24:
+                                                               self.alloc.meta_off(voff) + 28], "little")
+                    old = self.index.put(s, digests[i], live, off)
+                    if old is not None:
+                        to_free.append((old[1], old[0]))
+                    res[i] = True
+        for i, off, live, m in committed:
+            if U64.unpack_from(mm, m)[0] == live:
+                U16.pack_into(mm, m + 28, 0)  # published: no longer this process's to settle
+        for i, off, live, m in committed:
+            if not res[i]:
+                to_free.append((off, live))
+        if to_free:
+            self.alloc.free_blocks(to_free)
+        ok = sum(res)
+        self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
+                   bytes_written=sum(lengths[i] for i, *_ in committed))
+        self.flush_counters()
+        return res
+
+    def delete(self, key) -> bool:
+        """Remove `key`; True if it was present."""
+        self._check_open()
+        d = key_digest(key)
+        s = self.index.shard_of(d)
+        with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
+            removed = self.index.remove(s, d)
+        if removed is None:
+            return False
+        self.alloc.free_blocks([(removed[1], removed[0])])
+        return True
+
+    # ---------------------------------------------------------------- inspection
+    def check(self, repair: bool = False):
+        """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
+        self._check_open()
+        from .check import check_store
+        return check_store(self, repair=repair)
+
+    def stats(self) -> dict:
+        """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
+        self._check_open()
+        self.flush_counters()
+        from .inspect import pool_stats
+        return pool_stats(self)

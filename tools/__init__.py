@@ -1,0 +1,1 @@
+"""The maru-shm command line: create, inspect, check, watch, destroy, bench."""
