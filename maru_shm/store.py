@@ -362,6 +362,18 @@ class Store:
         lookup = self._lookup
         return [lookup(key_digest(k)) is not None for k in keys]
 
+    def leading_hits(self, keys: Iterable, length: int | None = None) -> int:
+        """How many keys from the start are present (with exactly `length` bytes, if given)."""
+        self._check_open()
+        lookup = self._lookup
+        n = 0
+        for k in keys:
+            found = lookup(key_digest(k))
+            if found is None or (length is not None and found[2] != length):
+                break
+            n += 1
+        return n
+
     def length_of(self, key) -> int | None:
         """Stored length of `key`, or None."""
         found = self._lookup(key_digest(key))

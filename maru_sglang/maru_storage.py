@@ -1,0 +1,325 @@
+"""MaruStorage: SGLang HiCache L3 backend on a maru_shm pool, loaded with `--hicache-storage-backend dynamic`.
+
+A drop-in for Maru's `maru_sglang.maru_storage.MaruStorage` (same module path,
+class name and `maru_*` keys) with no server: every SGLang process maps the
+same pool file and moves pages directly between its host pool and the file.
+
+- The page size in bytes comes from the registered host pool and becomes an
+  exact-fit size class of the pool, so no byte of the file is padding (seed 000).
+- Pages are copied piece by piece (K and V, or every layer, as
+  `get_page_buffer_meta` describes them) straight between host memory and
+  the mapping: no concatenation buffer.
+- A page is loaded only if its stored length equals the expected page bytes
+  exactly, and only from the same model, ranks and KV format.
+- Batch calls never raise into SGLang's storage threads: failures are logged
+  once per cause and reported as False.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, List, Optional
+
+import torch
+
+from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
+                                                  HiCacheStorageExtraInfo)
+
+from maru_shm import SizeMismatchError, Store, StoreError, format_size
+
+from .config import MaruConfig
+from .namespace import kv_format_fingerprint, namespace_for
+
+logger = logging.getLogger("maru_sglang")
+
+SUPPORTED_LAYOUTS = ("page_first_direct", "page_first", "page_head", "layer_first", "page_first_kv_split")
+NONCE_BYTES = 16
+
+
+class MaruStorage(HiCacheStorage):
+    """HiCacheStorage over one shared maru_shm pool file."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.config = MaruConfig.from_extra_config(storage_config.extra_config if storage_config else None)
+        self.is_writer = bool(storage_config.is_storage_writer) if storage_config else True
+        self.store = self._open_store()
+        self.mem_pool_host = None
+        self.page_bytes: int | None = None
+        self.pieces_per_page = 0
+        self._ns_base: str | None = None
+        self._ns_cache: tuple[float, str] | None = None
+        self._logged: set = set()
+        self._lock = threading.Lock()
+        self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
+                       "set_failed": 0}
+        self._prefetch_pgs: list[int] = []
+        self._backup_pgs: list[int] = []
+        self._prefetch_bw: list[float] = []
+        self._backup_bw: list[float] = []
+
+    # ------------------------------------------------------------ setup
+    def _open_store(self) -> Store:
+        c = self.config
+        try:
+            if os.path.exists(c.path):
+                try:
+                    store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
+                except StoreError:
+                    raise
+            else:
+                try:
+                    store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode)
+                except SizeMismatchError:
+                    store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
+        except StoreError as e:
+            raise RuntimeError(f"MaruStorage: cannot open pool {c.path}: {e}") from e
+        if store.geo.file_size != c.pool_size and not store.created:
+            logger.info("maru: using existing pool %s of %s (maru_pool_size applies only when creating)",
+                        c.path, format_size(store.geo.file_size))
+        if c.eager_map:
+            try:
+                import mmap as _mmap
+                store.mm.madvise(_mmap.MADV_WILLNEED)
+            except (AttributeError, OSError):
+                pass
+        logger.info("maru: attached to %s (%s, instance %s, slot %d)", c.path, format_size(store.geo.file_size),
+                    c.instance_id, store.slot)
+        return store
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Derive the page size from the host pool, declare it as an exact-fit class, fix the namespace."""
+        super().register_mem_pool_host(mem_pool_host)
+        layout = getattr(mem_pool_host, "layout", None)
+        page_size = int(getattr(mem_pool_host, "page_size", 1))
+        if getattr(mem_pool_host, "kv_buffer", True) is None:
+            raise ValueError("MaruStorage: this host pool has no KV buffer of its own (a logical anchor); "
+                             "its side pools need the HiCache v2 interface, which MaruStorage does not serve yet")
+        try:
+            sample = torch.arange(page_size, dtype=torch.int64)
+            ptrs, sizes = mem_pool_host.get_page_buffer_meta(sample)
+        except Exception as e:  # the pool says which layouts it supports
+            raise ValueError(
+                f"MaruStorage: host pool {type(mem_pool_host).__name__} with layout {layout!r} cannot describe its "
+                f"pages for zero-copy I/O ({e}); use --hicache-mem-layout with one of: "
+                f"{', '.join(SUPPORTED_LAYOUTS)}") from e
+        if not ptrs or len(ptrs) != len(sizes):
+            raise ValueError(f"MaruStorage: host pool returned no page pieces for layout {layout!r}")
+        page_bytes = int(sum(sizes))
+        derived = int(mem_pool_host.get_size_per_token()) * page_size
+        if page_bytes != derived:
+            logger.info("maru: page pieces sum to %d bytes (size_per_token x page_size = %d); using the pieces",
+                        page_bytes, derived)
+        if self.config.chunk_size_bytes is not None and self.config.chunk_size_bytes != page_bytes:
+            if self.config.chunk_size_bytes < page_bytes:
+                raise ValueError(f"MaruStorage: maru_chunk_size_bytes={self.config.chunk_size_bytes} is smaller "
+                                 f"than one page ({page_bytes} bytes)")
+            logger.warning("maru: maru_chunk_size_bytes=%d ignored: pages are stored in an exact %d-byte class",
+                           self.config.chunk_size_bytes, page_bytes)
+        if page_bytes > self.store.max_value:
+            raise ValueError(f"MaruStorage: a page is {page_bytes} bytes but pool {self.config.path} holds values of "
+                             f"at most {self.store.max_value} bytes; use a larger maru_pool_size")
+        self.store.declare_size(page_bytes)
+        self.page_bytes = page_bytes
+        self.pieces_per_page = len(ptrs)
+        fp = kv_format_fingerprint(mem_pool_host, page_bytes, len(ptrs), io="pieces")
+        self._ns_base = f"{namespace_for(self.storage_config)}|fmt-{fp}"
+        self._ns_cache = None
+        logger.info("maru: page size %s (%d pieces per page, layout %s), namespace %s",
+                    format_size(page_bytes), len(ptrs), layout, self._ns_base)
+
+    # ------------------------------------------------------------ namespace
+    def _namespace(self) -> str:
+        """Namespace prefix incl. the current clear() nonce (re-read at most every 50 ms)."""
+        if self._ns_base is None:
+            raise RuntimeError("MaruStorage used before register_mem_pool_host()")
+        now = time.monotonic()
+        cached = self._ns_cache
+        if cached is not None and now - cached[0] < 0.05:
+            return cached[1]
+        rec = f"__maru_ns__/{self._ns_base}"
+        nonce = self.store.get(rec)
+        if nonce is None or len(nonce) != NONCE_BYTES:
+            self.store.batch_put([rec], [os.urandom(NONCE_BYTES)], skip_existing=True)
+            nonce = self.store.get(rec) or b""
+        prefix = f"{self._ns_base}|{nonce.hex()}/"
+        self._ns_cache = (now, prefix)
+        return prefix
+
+    def _keys(self, keys: List[str]) -> List[str]:
+        ns = self._namespace()
+        return [ns + k for k in keys]
+
+    def _log_once(self, what: str, exc: BaseException) -> None:
+        cause = (what, type(exc).__name__, str(exc)[:200])
+        with self._lock:
+            if cause in self._logged:
+                return
+            self._logged.add(cause)
+        logger.error("maru: %s failed: %s: %s (further identical failures are not logged)",
+                     what, type(exc).__name__, exc)
+
+    def _pieces(self, host_indices, n: int):
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // n if n else 0
+        if per * n != len(ptrs) or per != self.pieces_per_page:
+            raise ValueError(f"host pool described {len(ptrs)} pieces for {n} pages "
+                             f"(expected {self.pieces_per_page} per page)")
+        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+
+    # ------------------------------------------------------------ v1 interface
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Length of the leading run of keys present in the pool."""
+        try:
+            return self.store.leading_hits(self._keys(keys), self.page_bytes)
+        except Exception as e:
+            self._log_once("batch_exists", e)
+            return 0
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Load pages into the host pool; True only where the stored value is exactly one page."""
+        if not keys:
+            return []
+        try:
+            t0 = time.perf_counter()
+            pieces = self._pieces(host_indices, len(keys))
+            res = self.store.batch_get_pieces(self._keys(keys), pieces)
+            self._account(res, t0, read=True)
+            return res
+        except Exception as e:
+            self._log_once("batch_get_v1", e)
+            return [False] * len(keys)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store pages from the host pool; keys already present are skipped (and reported True)."""
+        if not keys:
+            return []
+        if not self.is_writer:
+            return [True] * len(keys)  # MLA: one writer rank stores the shared pages
+        try:
+            t0 = time.perf_counter()
+            pieces = self._pieces(host_indices, len(keys))
+            res = self.store.batch_put_pieces(self._keys(keys), pieces, skip_existing=True)
+            self._account(res, t0, read=False)
+            return res
+        except Exception as e:
+            self._log_once("batch_set_v1", e)
+            return [False] * len(keys)
+
+    def _account(self, res: List[bool], t0: float, read: bool) -> None:
+        ok = sum(res)
+        dt = max(time.perf_counter() - t0, 1e-9)
+        gb = ok * (self.page_bytes or 0) / 1e9
+        with self._lock:
+            if read:
+                self._stats["hits"] += ok
+                self._stats["misses"] += len(res) - ok
+                self._stats["bytes_read"] += ok * (self.page_bytes or 0)
+                self._prefetch_pgs.append(ok)
+                self._prefetch_bw.append(gb / dt)
+            else:
+                self._stats["sets"] += ok
+                self._stats["set_failed"] += len(res) - ok
+                self._stats["bytes_written"] += ok * (self.page_bytes or 0)
+                self._backup_pgs.append(ok)
+                self._backup_bw.append(gb / dt)
+
+    # ------------------------------------------------------------ legacy interface
+    def _tensor_piece(self, t: torch.Tensor):
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("legacy MaruStorage I/O needs contiguous CPU tensors")
+        return [(t.data_ptr(), t.numel() * t.element_size())]
+
+    def get(self, key: str, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+        """Load one flat page into `target_location` (exact length required); the tensor or None."""
+        try:
+            if target_location is None:
+                return None
+            ok = self.store.get_pieces(self._keys([key])[0], self._tensor_piece(target_location))
+            with self._lock:
+                self._stats["hits" if ok else "misses"] += 1
+            return target_location if ok else None
+        except Exception as e:
+            self._log_once("get", e)
+            return None
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+        targets = target_locations or [None] * len(keys)
+        return [self.get(k, t) for k, t in zip(keys, targets)]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        if not self.is_writer:
+            return True
+        try:
+            if value is None:
+                return False
+            value = value.contiguous() if isinstance(value, torch.Tensor) else value
+            res = self.store.batch_put_pieces(self._keys([key]), [self._tensor_piece(value)], skip_existing=True)
+            return bool(res[0])
+        except Exception as e:
+            self._log_once("set", e)
+            return False
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        if not keys:
+            return True
+        if values is None:
+            return False
+        return all([self.set(k, v) for k, v in zip(keys, values)])
+
+    def exists(self, key: str) -> bool:
+        try:
+            return self.store.exists(self._keys([key])[0])
+        except Exception as e:
+            self._log_once("exists", e)
+            return False
+
+    # ------------------------------------------------------------ housekeeping
+    def clear(self) -> None:
+        """Retire this instance's namespace: its pages become unreachable at once, eviction reclaims them."""
+        if self._ns_base is None:
+            return
+        self.store.put(f"__maru_ns__/{self._ns_base}", os.urandom(NONCE_BYTES))
+        self._ns_cache = None
+        logger.info("maru: cleared namespace %s", self._ns_base)
+
+    def close(self) -> None:
+        """Detach from the pool (the pool and other instances' pages stay)."""
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def get_stats(self):
+        """SGLang StorageMetrics (drained per call) with a `maru` dict: hits, misses, bytes, evictions."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+        m = StorageMetrics()
+        with self._lock:
+            m.prefetch_pgs.extend(self._prefetch_pgs)
+            m.backup_pgs.extend(self._backup_pgs)
+            m.prefetch_bandwidth.extend(self._prefetch_bw)
+            m.backup_bandwidth.extend(self._backup_bw)
+            self._prefetch_pgs.clear()
+            self._backup_pgs.clear()
+            self._prefetch_bw.clear()
+            self._backup_bw.clear()
+            mine = dict(self._stats)
+        pool = self.store.stats() if self.store is not None else {}
+        mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
+                     "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes})
+        m.maru = mine
+        return m

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: two SGLang instances (real host pools, CPU) share KV pages through
+# one maru_shm pool in /dev/shm. Bootstraps .venv on first use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+exec .venv/bin/python -W ignore -m maru_sglang.demo "$@"
