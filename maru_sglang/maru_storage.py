@@ -81,11 +81,7 @@ class MaruStorage(HiCacheStorage):
             logger.info("maru: using existing pool %s of %s (maru_pool_size applies only when creating)",
                         c.path, format_size(store.geo.file_size))
         if c.eager_map:
-            try:
-                import mmap as _mmap
-                store.mm.madvise(_mmap.MADV_WILLNEED)
-            except (AttributeError, OSError):
-                pass
+            store.populate()  # Maru's eager map: the whole pool is backed and mapped up front
         logger.info("maru: attached to %s (%s, instance %s, slot %d)", c.path, format_size(store.geo.file_size),
                     c.instance_id, store.slot)
         return store

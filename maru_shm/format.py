@@ -134,7 +134,7 @@ class Geometry:
         return self.index_shards * self.shard_slots
 
     @staticmethod
-    def plan(file_size: int, *, granule: int = 4096, unit_size: int = 1 << 20,
+    def plan(file_size: int, *, granule: int = 4096, unit_size: int = 256 << 10,
              max_value: int = 64 << 20, index_slots: int | None = None,
              index_shards: int = 64, proc_slots: int = 128, data_align: int | None = None,
              flags: int = 0, n_geo_classes: int | None = None) -> "Geometry":

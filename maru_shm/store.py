@@ -55,14 +55,19 @@ class Store:
     # ---------------------------------------------------------------- opening
     @classmethod
     def open(cls, path: str, size=None, create: bool = False, *, mode: int = 0o600, timeout: float = 2.0,
-             allow_foreign_owner: bool = False, granule: int = 4096, unit_size: int = 1 << 20,
+             allow_foreign_owner: bool = False, granule: int = 4096, unit_size: int = 256 << 10,
              max_value="64M", index_slots: int | None = None, index_shards: int = 64,
-             proc_slots: int = 128) -> "Store":
+             proc_slots: int = 128, populate: bool = False) -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
         Creation knobs (ignored for an existing pool, whose geometry is read
         from its header): granule (smallest block), unit_size (slab unit),
         max_value, index_slots, index_shards, proc_slots.
+
+        populate=True backs the whole pool with memory now (fallocate on a
+        regular file) and pre-faults this process's mapping, so the first write
+        to each page does not pay for a page fault; it costs the full pool size
+        in RAM up front, which is what a KV-cache tier wants anyway.
         """
         size_b = parse_size(size) if size is not None else None
         plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
@@ -70,10 +75,25 @@ class Store:
         pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
                             allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
         try:
-            return cls(pf, timeout)
+            store = cls(pf, timeout)
         except BaseException:
             pf.close()
             raise
+        if populate:
+            store.populate()
+        return store
+
+    def populate(self) -> None:
+        """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
+        if not self._pf.is_device:
+            try:
+                os.posix_fallocate(self._pf.fd, 0, self.geo.file_size)
+            except OSError:
+                pass  # a filesystem without fallocate: faults happen on first touch instead
+        try:
+            self.mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+); never changes contents
+        except (OSError, ValueError):
+            pass
 
     def __init__(self, pf: PoolFile, timeout: float):
         self._pf = pf

@@ -234,18 +234,20 @@ class Allocator:
                 s = self._slab(h)
                 nfree = self._get32(s + SLAB_NFREE)
                 got = 0
-                bm = bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
-                for i in range(info.bps):
-                    if len(out) == len(items):
-                        break
-                    if bm[i >> 3] & (1 << (i & 7)):
-                        continue
+                bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
+                free = ~bm & ((1 << info.bps) - 1)
+                want = len(items)
+                while free and len(out) < want:
+                    low = free & -free
+                    i = low.bit_length() - 1
+                    free ^= low
+                    bm |= low
                     off = h * self.U + i * info.block
                     d, length = items[len(out)]
                     self._reserve(off, d, length, owner)
-                    self._set_bit(h, i, True)
                     out.append(off)
                     got += 1
+                self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = bm.to_bytes(32, "little")
                 nfree = max(0, nfree - got)
                 if got == 0:
                     nfree = 0  # bitmap says full: the count was stale
