@@ -1,39 +1,200 @@
 """Read-only figures about a pool, computed from the shared file without taking locks.
 
-Used by Store.stats() and the `maru-shm inspect` command. Everything here is
-a snapshot: writers may move on while it is taken, so counts can be off by
-the few operations in flight.
+Used by Store.stats() and by the `maru-shm inspect` / `watch` commands. Every
+function takes either an attached Store or a `PoolView`: a read-only look at a
+pool that never attaches (no process slot, no reaping, no lock taken), opened
+O_RDONLY and mapped PROT_READ, so the kernel itself guarantees it cannot write.
+Process liveness is read with F_OFD_GETLK, which works on a read-only
+descriptor and takes nothing.
+
+Everything here is a snapshot: writers may move on while it is taken, so
+counts can be off by the few operations in flight, and a lock record may be
+seen dirty for an instant while its holder is inside its section (a dirty
+record is only reported when its lock is not held, checked twice).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import stat
+import time
+
 import numpy as np
 
-from .format import (CLASS_ENTRY, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, KIND_EXACT, LIVE,
-                     LOCK_IDS, LOCK_RECORD, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED, RETIRED_OFF,
-                     SHARD_LOCK_BASE, SLOT_LOCK_BASE, UNIT_HEAD)
+from .errors import NotAPoolError, PermissionDeniedError, StoreError
+from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
+                     KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
+                     LOCK_RECORD, MAX_BLOCKS_PER_SLAB, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
+                     RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY, SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD,
+                     VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
 
-
-def _meta_arrays(store):
-    g = store.geo
-    words = np.ndarray((g.n_granules,), dtype="<u8", buffer=store.mm, offset=g.off_blockmeta, strides=(32,)).copy()
-    lengths = np.ndarray((g.n_granules,), dtype="<u4", buffer=store.mm, offset=g.off_blockmeta + 24,
-                         strides=(32,)).copy()
-    return words, lengths
+#: Version of the `report()` layout (the `maru-shm inspect --json` object).
+REPORT_SCHEMA = 1
+#: A shard is kept at or below this load by eviction (docs/FORMAT.md section 7).
+SHARD_LOAD_LIMIT = 7 / 8
 
 
-def index_shape(store) -> dict:
-    """Entries, capacity, load factor and probe lengths of the index."""
-    g = store.geo
+# --------------------------------------------------------------------------- read-only view
+class PoolView:
+    """A read-only look at a pool: what the figures below read, and nothing that can write.
+
+    `PoolView.open(path)` maps a pool without attaching to it. `PoolView.of(store)`
+    wraps an attached Store (sharing its mapping; closing the view does not
+    close the store).
+    """
+
+    def __init__(self, mm, geo: Geometry, path: str, lock_fd: int | None, *, self_slot: int = -1,
+                 is_device: bool = False, fds: tuple = ()):
+        self.mm, self.geo, self.path, self.lock_fd = mm, geo, path, lock_fd
+        self.self_slot, self.is_device = self_slot, is_device
+        self._fds = fds  # descriptors this view owns (closed with it)
+        self._owns_map = bool(fds)
+        self.ino = os.fstat(fds[0]).st_ino if fds else None
+        self.dev = os.fstat(fds[0]).st_dev if fds else None
+
+    @classmethod
+    def of(cls, store) -> "PoolView":
+        pf = getattr(store, "_pf", None)
+        return cls(store.mm, store.geo, store.path, store.locks.fd, self_slot=store.slot,
+                   is_device=bool(pf.is_device) if pf is not None else bool(store.geo.flags & FLAG_DEVICE))
+
+    @classmethod
+    def open(cls, path) -> "PoolView":
+        """Map the pool at `path` read-only; raise a StoreError subclass naming the problem."""
+        from .poolfile import dax_size, side_lock_path
+        path = os.fspath(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StoreError(f"{path} does not exist") from None
+        except OSError as e:
+            if os.path.islink(path):
+                raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
+            if e.errno in (1, 13):
+                raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
+            raise StoreError(f"cannot open {path}: {e.strerror}") from None
+        fds = [fd]
+        mm = None
+        try:
+            st = os.fstat(fd)
+            is_device = stat.S_ISCHR(st.st_mode)
+            if is_device:
+                size = dax_size(path)
+                try:
+                    lock_fd = os.open(side_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    fds.append(lock_fd)
+                except FileNotFoundError:
+                    lock_fd = None  # no process ever attached since boot: nobody holds a lock
+            elif stat.S_ISREG(st.st_mode):
+                size = st.st_size
+                lock_fd = fd
+            else:
+                raise NotAPoolError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
+            head = os.pread(fd, STATE_OFF + 4, 0) if size >= STATE_OFF + 4 else b""
+            geo = Geometry.read(head, size)
+            mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            if Geometry.read(mm, geo.file_size) != geo:
+                raise StoreError(f"{path} changed while it was being opened; retry")
+            return cls(mm, geo, path, lock_fd, is_device=is_device, fds=tuple(fds))
+        except BaseException:
+            if mm is not None:
+                mm.close()
+            for f in fds:
+                os.close(f)
+            raise
+
+    def replaced(self) -> bool:
+        """True if `path` no longer names the file this view maps (destroyed, or recreated)."""
+        if self.ino is None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_ino, st.st_dev) != (self.ino, self.dev)
+
+    def held(self, lock_id: int) -> bool:
+        """Does some process hold this lock right now? (F_OFD_GETLK: takes nothing.)"""
+        if self.lock_fd is None:
+            return False
+        return ofd_is_held(self.lock_fd, lock_id)
+
+    def slot_alive(self, slot: int) -> bool:
+        return slot == self.self_slot or self.held(SLOT_LOCK_BASE + slot)
+
+    def close(self) -> None:
+        if self._owns_map and self.mm is not None:
+            self.mm.close()
+        self.mm = None
+        for f in self._fds:
+            os.close(f)
+        self._fds = ()
+
+    def __enter__(self) -> "PoolView":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_view(src) -> PoolView:
+    return src if isinstance(src, PoolView) else PoolView.of(src)
+
+
+def _column(mm, off: int, count: int, stride: int, dtype: str) -> np.ndarray:
+    """A copy of one field of a table of `count` records (so no view outlives the call)."""
+    view = np.ndarray((count,), dtype=dtype, buffer=mm, offset=off, strides=(stride,))
+    try:
+        return view.copy()
+    finally:
+        del view
+
+
+class _Snapshot:
+    """The arrays the figures need, each copied from the mapping once."""
+
+    def __init__(self, v: PoolView):
+        g = v.geo
+        self.v, self.g = v, g
+        self._meta = None
+        self.states = _column(v.mm, g.off_slabs, g.n_units, SLAB_ENTRY, "<u4")
+        self.clsfield = _column(v.mm, g.off_slabs + 4, g.n_units, SLAB_ENTRY, "<u4")
+        self.classes = _read_classes(v.mm, g)
+
+    @property
+    def meta(self):
+        """(words, lengths) of every block meta."""
+        if self._meta is None:
+            g = self.g
+            self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, 32, "<u8"),
+                          _column(self.v.mm, g.off_blockmeta + 24, g.n_granules, 32, "<u4"))
+        return self._meta
+
+
+def _read_classes(mm, g: Geometry) -> dict[int, dict]:
+    """Valid class entries by id (same validity rule as Allocator.refresh_classes)."""
+    out = {}
+    for cid in range(g.class_cap):
+        kind, k, block, bps, _partial, _nslabs, _used, declared_ns = CLASS_STRUCT.unpack_from(
+            mm, g.off_classes + cid * CLASS_ENTRY)
+        if (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= g.n_units and 0 < block <= k * g.unit_size
+                and 0 < bps <= MAX_BLOCKS_PER_SLAB and bps * block <= k * g.unit_size and block >= g.granule):
+            out[cid] = {"kind": kind, "k": k, "block": block, "bps": bps, "declared_ns": declared_ns}
+    return out
+
+
+# --------------------------------------------------------------------------- figures
+def _index_shape(v: PoolView) -> dict:
+    g = v.geo
     n = g.index_slots
-    words = np.ndarray((n,), dtype="<u8", buffer=store.mm, offset=g.off_index + 16, strides=(ENTRY_SIZE,)).copy()
-    homes = np.ndarray((n,), dtype="<u8", buffer=store.mm, offset=g.off_index + 8, strides=(ENTRY_SIZE,)).copy()
+    words = _column(v.mm, g.off_index + 16, n, ENTRY_SIZE, "<u8")
+    homes = _column(v.mm, g.off_index + 8, n, ENTRY_SIZE, "<u8")  # digest[8:16]
     used = words != 0
     pos = np.arange(n, dtype=np.int64) % g.shard_slots
     home = (homes & np.uint64(g.shard_slots - 1)).astype(np.int64)
-    dist = (pos - home) % g.shard_slots
-    d = dist[used]
+    d = ((pos - home) % g.shard_slots)[used]
     entries = int(used.sum())
     return {
         "entries": entries,
@@ -46,103 +207,257 @@ def index_shape(store) -> dict:
     }
 
 
-def class_table(store) -> list[dict]:
-    """Per size class in use: slabs, blocks used/free, live payload, internal fragmentation."""
-    g, alloc = store.geo, store.alloc
-    alloc.refresh_classes()
-    words, lengths = _meta_arrays(store)
-    live = (words & 3) == LIVE
+def index_shape(src) -> dict:
+    """Entries, capacity, load factor and probe lengths of the index."""
+    return _index_shape(_as_view(src))
+
+
+def _class_rows(snap: _Snapshot) -> list[dict]:
+    g = snap.g
+    words, lengths = snap.meta
     rows = []
-    for info in alloc.classes:
-        if info is None:
+    heads_all = snap.states == UNIT_HEAD
+    for cid, info in sorted(snap.classes.items()):
+        heads = np.flatnonzero(heads_all & (snap.clsfield == cid)).astype(np.int64)
+        heads = heads[heads + info["k"] <= g.n_units]
+        if heads.size == 0:
             continue
-        heads = alloc.class_slabs(info.cid)
-        if not heads:
-            continue
-        starts = []
-        for h in heads:
-            starts.extend((h * g.unit_size + i * info.block) // g.granule for i in range(info.bps))
-        starts = np.array(starts, dtype=np.int64)
-        lv = live[starts]
-        st = words[starts] & 3
-        live_bytes = int(lengths[starts][lv].sum())
+        offs = (heads[:, None] * g.unit_size + np.arange(info["bps"], dtype=np.int64)[None, :] * info["block"]).ravel()
+        starts = offs // g.granule
+        st = words[starts] & np.uint64(3)
+        lv = st == LIVE
         n_live = int(lv.sum())
+        n_res = int((st == RESERVED).sum())
+        live_bytes = int(lengths[starts][lv].sum())
         rows.append({
-            "class": info.cid, "kind": "exact" if info.kind == KIND_EXACT else "geometric",
-            "block_size": info.block, "slab_units": info.k, "slabs": len(heads),
-            "blocks": len(heads) * info.bps, "live": n_live, "reserved": int((st == RESERVED).sum()),
-            "free": int((st == 0).sum()), "live_bytes": live_bytes,
-            "fragmentation": 1 - live_bytes / (n_live * info.block) if n_live else 0.0,
+            "class": cid, "kind": "exact" if info["kind"] == KIND_EXACT else "geometric",
+            "block_size": info["block"], "slab_units": info["k"], "blocks_per_slab": info["bps"],
+            "slabs": int(heads.size), "blocks": int(starts.size),
+            "used": n_live + n_res, "live": n_live, "reserved": n_res, "free": int((st == 0).sum()),
+            "live_bytes": live_bytes,
+            "fragmentation": 1 - live_bytes / (n_live * info["block"]) if n_live else 0.0,
         })
     return rows
 
 
-def processes(store) -> list[dict]:
-    g = store.geo
+def class_table(src) -> list[dict]:
+    """Per size class in use: slabs, blocks used/free, live payload, internal fragmentation."""
+    return _class_rows(_Snapshot(_as_view(src)))
+
+
+_BOOT_NS: int | None = None
+
+
+def _boot_ns() -> int:
+    global _BOOT_NS
+    if _BOOT_NS is None:
+        _BOOT_NS = 0
+        try:
+            with open("/proc/stat", "rb") as f:
+                for line in f:
+                    if line.startswith(b"btime "):
+                        _BOOT_NS = int(line.split()[1]) * 10**9
+                        break
+        except (OSError, ValueError):
+            pass
+    return _BOOT_NS
+
+
+def _started_ns(start_ticks: int) -> int | None:
+    """Wall-clock start time of a process from its start time in clock ticks since boot."""
+    boot = _boot_ns()
+    if not boot or not start_ticks:
+        return None
+    return boot + start_ticks * 10**9 // os.sysconf("SC_CLK_TCK")
+
+
+def _processes(v: PoolView) -> list[dict]:
+    g = v.geo
     out = []
     for slot in range(g.proc_slots):
         o = g.off_procs + slot * PROC_ENTRY
-        state, pid, ticks, attach_ns, uid = PROC_HEAD.unpack_from(store.mm, o)
+        state, pid, ticks, attach_ns, uid = PROC_HEAD.unpack_from(v.mm, o)
         if state == 0:
             continue
-        alive = slot == store.slot or ofd_is_held(store.locks.fd, SLOT_LOCK_BASE + slot)
-        counters = dict(zip(COUNTER_NAMES, COUNTERS.unpack_from(store.mm, o + PROC_COUNTERS_OFF)))
-        out.append({"slot": slot, "pid": pid, "start_ticks": ticks, "attach_ns": attach_ns, "uid": uid,
-                    "alive": bool(alive), "self": slot == store.slot, "counters": counters})
+        counters = dict(zip(COUNTER_NAMES, COUNTERS.unpack_from(v.mm, o + PROC_COUNTERS_OFF)))
+        out.append({"slot": slot, "pid": pid, "uid": uid, "alive": bool(v.slot_alive(slot)),
+                    "self": slot == v.self_slot, "start_ticks": ticks, "started_ns": _started_ns(ticks),
+                    "attach_ns": attach_ns, "counters": counters})
     return out
 
 
-def dirty_locks(store) -> list[dict]:
-    """Locks whose last holder died inside its critical section (repaired at next use)."""
-    g = store.geo
-    rec = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=store.mm, offset=g.off_locks).copy()
+def processes(src) -> list[dict]:
+    """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held), counters."""
+    return _processes(_as_view(src))
+
+
+def _lock_domain(lock_id: int) -> tuple[str, int | None]:
+    if lock_id >= SLOT_LOCK_BASE:
+        return "slot", lock_id - SLOT_LOCK_BASE
+    if lock_id >= SHARD_LOCK_BASE:
+        return "shard", lock_id - SHARD_LOCK_BASE
+    if lock_id >= CLASS_LOCK_BASE:
+        return "class", lock_id - CLASS_LOCK_BASE
+    return {LOCK_INIT: "init", LOCK_PROC: "proc", LOCK_CLASSTAB: "classtab", LOCK_POOL: "pool"}.get(
+        lock_id, "other"), None
+
+
+def _dirty_locks(v: PoolView) -> list[dict]:
+    g = v.geo
+    rec = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=v.mm, offset=g.off_locks)
+    try:
+        marked = np.flatnonzero(rec[:, 0]).tolist()
+    finally:
+        del rec
     out = []
-    for lock_id in np.flatnonzero(rec[:, 0]).tolist():
-        held = ofd_is_held(store.locks.fd, lock_id)
-        if not held:
-            out.append({"lock": lock_name(lock_id), "holder_slot": int(rec[lock_id, 0]) - 1})
+    for lock_id in marked:
+        if v.held(lock_id):
+            continue  # a holder is inside its section right now
+        holder, op = LOCK_RECORD.unpack_from(v.mm, g.off_locks + lock_id * LOCK_RECORD.size)
+        if holder == 0 or v.held(lock_id):
+            continue  # released cleanly meanwhile, or taken again
+        domain, index = _lock_domain(lock_id)
+        out.append({"lock": lock_name(lock_id), "id": lock_id, "domain": domain, "index": index,
+                    "holder_slot": holder - 1 if holder != 0xFFFFFFFF else None, "op": op})
     return out
 
 
-def counters(store) -> dict:
-    total = list(COUNTERS.unpack_from(store.mm, RETIRED_OFF))
-    for p in processes(store):
+def dirty_locks(src) -> list[dict]:
+    """Locks whose last holder died inside its critical section (repaired at next use)."""
+    return _dirty_locks(_as_view(src))
+
+
+def _counters(v: PoolView, procs: list[dict]) -> dict:
+    total = list(COUNTERS.unpack_from(v.mm, RETIRED_OFF))
+    for p in procs:
         for i, name in enumerate(COUNTER_NAMES):
             total[i] += p["counters"][name]
-    return dict(zip(COUNTER_NAMES, total))
+    return dict(zip(COUNTER_NAMES, (t & (2**64 - 1) for t in total)))
 
 
-def pool_stats(store) -> dict:
-    g = store.geo
-    words, lengths = _meta_arrays(store)
-    live = (words & 3) == LIVE
+def counters(src) -> dict:
+    """Pool-wide counters: retired totals plus every claimed slot's own."""
+    v = _as_view(src)
+    return _counters(v, _processes(v))
+
+
+def _space(snap: _Snapshot) -> dict:
+    g = snap.g
+    words, lengths = snap.meta
+    st = words & np.uint64(3)
+    live = st == LIVE
     live_bytes = int(lengths[live].sum())
-    c = counters(store)
-    heads = int((store.alloc.states == UNIT_HEAD).sum())
-    free_units = int((store.alloc.states == 0).sum())
+    return {
+        "units": g.n_units,
+        "free_units": int((snap.states == UNIT_FREE).sum()),
+        "slabs": int((snap.states == UNIT_HEAD).sum()),
+        "live_blocks": int(live.sum()),
+        "reserved_blocks": int((st == RESERVED).sum()),
+        "live_bytes": live_bytes,
+        "utilization": live_bytes / g.file_size,
+        "data_utilization": live_bytes / g.data_bytes,
+    }
+
+
+def pool_stats(src) -> dict:
+    """Pool-wide figures as one flat dict (what Store.stats() returns)."""
+    v = _as_view(src)
+    g = v.geo
+    snap = _Snapshot(v)
+    sp = _space(snap)
+    procs = _processes(v)
+    c = _counters(v, procs)
     s = {
-        "path": store.path,
+        "path": v.path,
         "file_bytes": g.file_size,
         "data_bytes": g.data_bytes,
         "header_bytes": g.off_data,
         "granule": g.granule,
         "unit_size": g.unit_size,
         "units": g.n_units,
-        "free_units": free_units,
-        "slabs": heads,
+        "free_units": sp["free_units"],
+        "slabs": sp["slabs"],
         "max_value": g.max_value,
-        "live_blocks": int(live.sum()),
-        "live_bytes": live_bytes,
-        "utilization": live_bytes / g.file_size,
-        "data_utilization": live_bytes / g.data_bytes,
+        "live_blocks": sp["live_blocks"],
+        "live_bytes": sp["live_bytes"],
+        "utilization": sp["utilization"],
+        "data_utilization": sp["data_utilization"],
     }
-    s.update(index_shape(store))
+    s.update(_index_shape(v))
     s.update(c)
     lookups = c["hits"] + c["misses"]
     s["hit_ratio"] = c["hits"] / lookups if lookups else 0.0
-    s["processes"] = len(processes(store))
+    s["processes"] = len(procs)
     return s
 
 
-__all__ = ["pool_stats", "class_table", "processes", "dirty_locks", "index_shape", "counters",
-           "CLASS_ENTRY", "CLASS_STRUCT", "SHARD_LOCK_BASE"]
+def report(src) -> dict:
+    """Everything `maru-shm inspect` shows, as one JSON-ready dict (keys documented in docs/CLI.md)."""
+    v = _as_view(src)
+    g = v.geo
+    taken = time.time_ns()
+    snap = _Snapshot(v)
+    classes = _class_rows(snap)
+    space = _space(snap)
+    allocated = sum(r["used"] * r["block_size"] for r in classes)
+    live_block_bytes = sum(r["live"] * r["block_size"] for r in classes)
+    space.update({
+        "slab_units": sum(r["slabs"] * r["slab_units"] for r in classes),
+        "allocated_bytes": allocated,
+        "fragmentation": 1 - space["live_bytes"] / live_block_bytes if live_block_bytes else 0.0,
+    })
+    procs = _processes(v)
+    c = _counters(v, procs)
+    lookups = c["hits"] + c["misses"]
+    c["hit_ratio"] = c["hits"] / lookups if lookups else 0.0
+    dirty = _dirty_locks(v)
+    index = _index_shape(v)
+    index["shard_slots"] = g.shard_slots
+    index["max_entries"] = g.index_shards * (g.shard_slots * 7 // 8)
+    return {
+        "schema": REPORT_SCHEMA,
+        "path": v.path,
+        "taken_ns": taken,
+        "format": {
+            "version": VERSION,
+            "flags": g.flags,
+            "device": bool(g.flags & FLAG_DEVICE),
+            "pool_uuid": g.pool_uuid.hex(),
+            "created_ns": g.created_ns,
+        },
+        "geometry": {
+            "file_bytes": g.file_size,
+            "header_bytes": g.off_data,
+            "data_bytes": g.data_bytes,
+            "granule": g.granule,
+            "unit_size": g.unit_size,
+            "units": g.n_units,
+            "max_value": g.max_value,
+            "geometric_classes": g.n_geo_classes,
+            "class_cap": g.class_cap,
+            "proc_slots": g.proc_slots,
+            "index_shards": g.index_shards,
+            "shard_slots": g.shard_slots,
+            "block_metas": g.n_granules,
+            "offsets": {
+                "locks": g.off_locks, "classes": g.off_classes, "procs": g.off_procs, "slabs": g.off_slabs,
+                "shards": g.off_shards, "index": g.off_index, "blockmeta": g.off_blockmeta, "data": g.off_data,
+            },
+        },
+        "space": space,
+        "classes": classes,
+        "index": index,
+        "processes": procs,
+        "repair": {
+            "dirty_locks": dirty,
+            "shards": sorted(d["index"] for d in dirty if d["domain"] == "shard"),
+            "classes": sorted(d["index"] for d in dirty if d["domain"] == "class"),
+            "pool": any(d["domain"] == "pool" for d in dirty),
+            "dead_processes": [p["slot"] for p in procs if not p["alive"]],
+        },
+        "counters": c,
+    }
+
+
+__all__ = ["PoolView", "report", "pool_stats", "class_table", "processes", "dirty_locks", "index_shape",
+           "counters", "REPORT_SCHEMA", "SHARD_LOAD_LIMIT"]

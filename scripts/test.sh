@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# tests/tools/test_cli.py drives `maru-shm inspect/watch` in a real terminal (tmux)
+command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
 exec .venv/bin/python -m pytest -n 4 "$@"

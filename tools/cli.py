@@ -1,0 +1,508 @@
+"""`maru-shm`: create, inspect, check, watch and destroy a maru_shm pool file.
+
+    maru-shm create  PATH --size 4G [--mode 0660]
+    maru-shm inspect PATH [--json]
+    maru-shm check   PATH [--repair]
+    maru-shm watch   PATH [--interval S] [--count N] [--json]
+    maru-shm destroy PATH [--force]
+    maru-shm bench   [ARGS...]          (tools/bench.py, when installed)
+
+Exit status: 0 ok; 1 the pool is not in the state asked about (check found
+problems, destroy refused because live processes are attached); 2 the command
+could not run (not a pool, no such file, permission, bad arguments), with one
+line on stderr. `inspect` and `watch` map the pool read-only and take no lock;
+only `check --repair` and `destroy` change it (see docs/CLI.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+import time
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
+PROG = "maru-shm"
+
+
+class CliError(Exception):
+    """A condition that ends the command with a one-line message and exit status 2."""
+
+
+# --------------------------------------------------------------------------- helpers
+def _size_arg(text: str) -> int:
+    from maru_shm.sizes import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _mode_arg(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r} (e.g. 0660)") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"mode out of range: {text!r}")
+    return mode
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return v
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+    return Console(stderr=stderr, highlight=False)
+
+
+def _print(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _warn(text: str) -> None:
+    sys.stderr.write(f"{PROG}: {text}\n")
+
+
+# --------------------------------------------------------------------------- create
+_PLAN_KNOBS = ("granule", "unit_size", "max_value", "index_slots", "index_shards", "proc_slots")
+
+
+def _open_defaults() -> dict:
+    """Store.open's defaults for the creation knobs (so the command cannot drift from the library)."""
+    import inspect as pyinspect
+
+    from maru_shm import Store
+    return {k: p.default for k, p in pyinspect.signature(Store.open).parameters.items() if k in _PLAN_KNOBS}
+
+
+def cmd_create(args) -> int:
+    from maru_shm import Store
+    from tools import render
+    path = args.path
+    device = False
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if stat.S_ISLNK(st.st_mode):
+            raise CliError(f"{path} is a symlink; give the pool's real path")
+        device = stat.S_ISCHR(st.st_mode)
+        if not device:
+            raise CliError(f"{path} already exists; remove it with `{PROG} destroy {path}` first")
+    if args.size is None and not device:
+        raise CliError("--size is required to create a pool file (e.g. --size 4G)")
+    knobs = {k: getattr(args, k) for k in _PLAN_KNOBS if getattr(args, k) is not None}
+    if not device:
+        # Plan first: Store.open creates the file before it finds out that the size cannot work.
+        from maru_shm.format import Geometry
+        from maru_shm.sizes import parse_size
+        plan = {**_open_defaults(), **knobs}
+        try:
+            plan["max_value"] = parse_size(plan["max_value"])
+            Geometry.plan(args.size, **plan)
+        except ValueError as e:
+            raise CliError(f"cannot create a pool at {path}: {e}") from None
+    store = Store.open(path, size=None if device else args.size, create=True, mode=args.mode, **knobs)
+    try:
+        created, g = store.created, store.geo
+    finally:
+        store.close()
+    if not created:
+        raise CliError(f"{path} already holds a maru-shm pool; destroy it first to recreate it")
+    _print(f"created {path}: {render.size(g.file_size)}, data {render.size(g.data_bytes)} in "
+           f"{g.n_units} units of {render.size(g.unit_size)}, index {g.index_slots} slots, "
+           f"{g.proc_slots} process slots, mode {args.mode:04o}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- inspect
+def _report(view) -> dict:
+    from maru_shm.inspect import report
+    return report(view)
+
+
+def cmd_inspect(args) -> int:
+    from maru_shm.inspect import PoolView
+    from tools import render
+    with PoolView.open(args.path) as view:
+        rep = _report(view)
+    if args.json:
+        _print(json.dumps(rep, indent=2, sort_keys=False))
+    elif _is_tty(sys.stdout):
+        console = _console()
+        console.print(render.to_rich(render.sections(rep), width=console.width))
+    else:
+        sys.stdout.write(render.to_plain(render.sections(rep)))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- check
+class _Progress:
+    """A progress bar on stderr for `check`: only on a terminal, and only once the check has run for
+    DELAY seconds (a small pool is done before anything is drawn). check_store reports slabs as it
+    goes; the index pass that follows has no count, so the bar then shows elapsed time only."""
+
+    DELAY = 0.5
+
+    def __init__(self, enabled: bool):
+        self.bar = self.timer = self.index_task = None
+        if not enabled:
+            return
+        import threading
+
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn)
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=_console(stderr=True), transient=True)
+        self.task = self.bar.add_task("taking locks", total=None)
+        self.timer = threading.Timer(self.DELAY, self.bar.start)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(self.task, completed=done, total=total, description="checking slabs")
+        if done >= total and self.index_task is None:
+            self.index_task = self.bar.add_task("checking index entries and process table", total=None)
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer.join()
+        if self.bar is not None:
+            self.bar.stop()
+        self.bar = self.timer = None
+
+
+def cmd_check(args) -> int:
+    from maru_shm import Store
+    from maru_shm.check import check_store
+    from maru_shm.inspect import PoolView
+    with PoolView.open(args.path):
+        pass  # validate read-only first: a file that is not a pool is never opened for writing
+    store = Store.open(args.path, timeout=args.timeout)
+    tty = _is_tty(sys.stderr)
+    try:
+        progress = _Progress(tty)
+        try:
+            first = check_store(store, repair=False, progress=progress)
+        finally:
+            progress.stop()
+        after = None
+        if args.repair and not first.ok:
+            progress = _Progress(tty)
+            try:
+                after = check_store(store, repair=True, progress=progress)
+            finally:
+                progress.stop()
+    finally:
+        store.close()
+    rc = EXIT_OK if (after or first).ok else EXIT_PROBLEMS
+    args._rc = rc
+    scope = f"{first.checked_blocks:,} blocks, {first.checked_entries:,} index entries"
+    for p in first.problems:
+        _print(f"problem: {p}")
+    if first.ok:
+        _print(f"{args.path}: ok ({scope})")
+    else:
+        _print(f"{args.path}: {len(first.problems)} problem(s) found ({scope})")
+    if after is not None:
+        _print(f"repair: {after.repaired} fix(es) made")
+        for p in after.problems:
+            _print(f"still wrong after repair: {p}")
+        _print(f"{args.path}: {'ok after repair' if after.ok else f'{len(after.problems)} problem(s) remain'}")
+    elif args.repair:
+        _print("repair: nothing to repair")
+    return rc
+
+
+# --------------------------------------------------------------------------- watch
+def cmd_watch(args) -> int:
+    from maru_shm.errors import StoreError
+    from maru_shm.inspect import PoolView
+    from tools import render
+
+    view = PoolView.open(args.path)
+    tty = _is_tty(sys.stdout) and not args.json
+    prev = None
+    shown = 0
+    live = None
+    note = None
+    try:
+        if tty:
+            from rich.live import Live
+            live = Live(console=_console(), auto_refresh=False, transient=False, redirect_stdout=False,
+                        redirect_stderr=False, vertical_overflow="crop")
+            live.start()
+        while True:
+            if view is not None and view.replaced():
+                view.close()
+                view = None
+                prev = None
+            if view is None:
+                try:
+                    view = PoolView.open(args.path)
+                    note = None
+                except (StoreError, OSError) as e:
+                    note = f"{args.path}: {e}"
+            rep = _report(view) if view is not None else None
+            stamp = time.strftime("%H:%M:%S")
+            if args.json:
+                if rep is not None:
+                    _print(json.dumps(rep, separators=(",", ":")))
+                    sys.stdout.flush()
+            elif tty:
+                caption = f"{PROG} watch {args.path}   every {args.interval:g}s   {stamp}   (Ctrl-C to quit)"
+                if rep is not None:
+                    caption += f"\n{render.size(rep['geometry']['file_bytes'])} pool, format version " \
+                               f"{rep['format']['version']}, {rep['geometry']['units']:,} units of " \
+                               f"{render.size(rep['geometry']['unit_size'])}"
+                if rep is None:
+                    from rich.text import Text
+                    live.update(Text(f"{caption}\n\n{note}", style="bold"), refresh=True)
+                else:
+                    live.update(render.to_rich(_watch_sections(rep, prev), caption=caption,
+                                               width=live.console.width), refresh=True)
+            else:
+                _print(f"--- {args.path} {stamp}")
+                sys.stdout.write(note + "\n" if rep is None else render.to_plain(_watch_sections(rep, prev)))
+                sys.stdout.flush()
+            if rep is not None:
+                prev = rep
+            shown += 1
+            if args.count and shown >= args.count:
+                return EXIT_OK
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        if live is not None:
+            live.stop()
+        if view is not None:
+            view.close()
+
+
+_WATCH_ORDER = ("Space", "Index", "Counters", "Repair", "Processes", "Size classes")
+
+
+def _watch_sections(rep, prev):
+    """The inspect summary for a live view: the static pool description left out, and the one
+    section that can grow long (size classes) last, so a short terminal crops only its tail."""
+    from tools import render
+    by_title = {s.title: s for s in render.sections(rep, prev)}
+    return [by_title[t] for t in _WATCH_ORDER if t in by_title]
+
+
+# --------------------------------------------------------------------------- destroy
+def cmd_destroy(args) -> int:
+    from maru_shm.errors import StoreError
+    from maru_shm.format import LOCK_PROC, MAGIC, SUPERBLOCK_SIZE
+    from maru_shm.inspect import PoolView, processes
+    from maru_shm.locks import ofd_trylock, ofd_unlock
+    from maru_shm.poolfile import side_lock_path
+
+    path = args.path
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CliError(f"{path} does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CliError(f"{path} is a symlink; give the pool's real path")
+    device = stat.S_ISCHR(st.st_mode)
+    if not device and not stat.S_ISREG(st.st_mode):
+        raise CliError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    lock_fd = fd
+    try:
+        if os.pread(fd, 8, 0) != MAGIC:
+            raise CliError(f"{path} is not a maru-shm pool (wrong magic); refusing to destroy it")
+        if device:
+            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # Hold PROC while deciding: attaching takes it, so nobody can attach between the look and the removal.
+        deadline = time.monotonic() + args.timeout
+        while not ofd_trylock(lock_fd, LOCK_PROC):
+            if time.monotonic() > deadline:
+                raise CliError(f"timed out after {args.timeout:g}s waiting for the process-table lock of {path}")
+            time.sleep(0.005)
+        try:
+            try:
+                with PoolView.open(path) as view:
+                    alive = [p for p in processes(view) if p["alive"]]
+            except StoreError as e:
+                if not args.force:
+                    raise CliError(f"{e} (use --force to destroy a damaged pool)") from None
+                alive = []
+            if alive:
+                who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in alive)
+                if not args.force:
+                    _warn(f"refusing to destroy {path}: {len(alive)} live process(es) attached: {who}; "
+                          "stop them first or use --force")
+                    return EXIT_PROBLEMS
+                _warn(f"warning: destroying {path} while {len(alive)} process(es) are attached: {who}")
+            if device:
+                os.pwrite(fd, bytes(SUPERBLOCK_SIZE), 0)
+                os.fsync(fd)
+                _print(f"destroyed {path}: superblock zeroed (the device is kept)")
+            else:
+                os.unlink(path)
+                _print(f"destroyed {path}")
+        finally:
+            ofd_unlock(lock_fd, LOCK_PROC)
+    finally:
+        if lock_fd != fd:
+            os.close(lock_fd)
+        os.close(fd)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- bench
+def cmd_bench(bench_args: list[str]) -> int:
+    try:
+        import tools.bench as bench
+    except ModuleNotFoundError as e:
+        if e.name in ("tools.bench",):
+            _warn("bench is unavailable: tools/bench.py is not installed with this copy of maru-shm")
+            return EXIT_ERROR
+        raise
+    rc = bench.main(bench_args)
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+# --------------------------------------------------------------------------- parsing
+def build_parser() -> argparse.ArgumentParser:
+    from maru_shm import __version__
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Look inside, check and manage a maru_shm shared-memory pool file.",
+        epilog="exit status: 0 ok; 1 problems found (check) or refused (destroy with live processes); "
+               "2 could not run (not a pool, no such file, permission, bad arguments). See docs/CLI.md.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser("create", help="create a pool file ahead of time",
+                       description="Create and initialise a pool (a regular file, or a DAX device in place).")
+    c.add_argument("path", metavar="PATH")
+    c.add_argument("--size", type=_size_arg, help="pool size, e.g. 4G, 512M (required for a regular file)")
+    c.add_argument("--mode", type=_mode_arg, default=0o600, help="octal file mode (default 0600), e.g. 0660")
+    d = _open_defaults()
+    c.add_argument("--granule", type=_size_arg, help=f"smallest block (default {d.get('granule')})")
+    c.add_argument("--unit-size", type=_size_arg, help=f"slab unit (default {d.get('unit_size')})")
+    c.add_argument("--max-value", type=_size_arg, help=f"largest value (default {d.get('max_value')})")
+    c.add_argument("--index-slots", type=int, help="index slots, rounded up to a power of two "
+                                                   "(default: one per 16 KiB of data)")
+    c.add_argument("--index-shards", type=int, help=f"index shards, a power of two (default {d.get('index_shards')})")
+    c.add_argument("--proc-slots", type=int, help=f"process table slots (default {d.get('proc_slots')})")
+    c.set_defaults(func=cmd_create)
+
+    i = sub.add_parser("inspect", help="show geometry, size classes, index, processes and counters",
+                       description="Show what is inside a pool, read-only, without attaching to it or taking "
+                                   "any lock.")
+    i.add_argument("path", metavar="PATH")
+    i.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/CLI.md)")
+    i.set_defaults(func=cmd_inspect)
+
+    k = sub.add_parser("check", help="full consistency check (exit 1 if problems are found)",
+                       description="Verify every rule of docs/FORMAT.md while holding every lock; "
+                                   "with --repair rebuild derived state and free orphans, then check again.")
+    k.add_argument("path", metavar="PATH")
+    k.add_argument("--repair", action="store_true", help="repair what the check finds")
+    k.add_argument("--timeout", type=_positive_float, default=10.0,
+                   help="seconds to wait for each lock (default 10)")
+    k.set_defaults(func=cmd_check)
+
+    w = sub.add_parser("watch", help="live view of the inspect summary",
+                       description="Refresh the inspect summary in place (read-only; Ctrl-C to quit). When the "
+                                   "output is not a terminal, print one summary per interval.")
+    w.add_argument("path", metavar="PATH")
+    w.add_argument("--interval", type=_positive_float, default=1.0, help="seconds between refreshes (default 1)")
+    w.add_argument("--count", type=int, default=0, help="stop after N refreshes (default: until Ctrl-C)")
+    w.add_argument("--json", action="store_true", help="print one JSON object per refresh, one per line")
+    w.set_defaults(func=cmd_watch)
+
+    d = sub.add_parser("destroy", help="remove a pool (refuses while live processes are attached)",
+                       description="Unlink a pool file (a DAX device: zero its superblock). Refuses, exit 1, "
+                                   "while live processes are attached unless --force.")
+    d.add_argument("path", metavar="PATH")
+    d.add_argument("--force", action="store_true",
+                   help="destroy even with live processes attached, or with a damaged header")
+    d.add_argument("--timeout", type=_positive_float, default=5.0,
+                   help="seconds to wait for the process-table lock (default 5)")
+    d.set_defaults(func=cmd_destroy)
+
+    sub.add_parser("bench", help="run the benchmark (tools/bench.py; arguments are passed to it)", add_help=False)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e) or type(e).__name__
+    if isinstance(e, OSError) and e.strerror:
+        msg = f"{e.filename + ': ' if e.filename else ''}{e.strerror}"
+    return " ".join(msg.split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _run(lambda: cmd_bench(argv[1:]), "bench", None)
+    args = build_parser().parse_args(argv)
+    return _run(lambda: args.func(args), args.command, args)
+
+
+def _run(fn, command: str, args) -> int:
+    from maru_shm.errors import StoreError
+    try:
+        rc = fn()
+    except CliError as e:
+        _warn(f"{command}: {e}")
+        rc = EXIT_ERROR
+    except (StoreError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return _broken_pipe(args)
+        _warn(f"{command}: {_one_line(e)}")
+        rc = EXIT_ERROR
+    except KeyboardInterrupt:
+        rc = 130
+    except Exception as e:  # a bug: still one line and status 2, unless asked for the traceback
+        if os.environ.get("MARU_SHM_DEBUG"):
+            raise
+        _warn(f"{command}: internal error: {type(e).__name__}: {_one_line(e)} "
+              "(set MARU_SHM_DEBUG=1 for a traceback)")
+        rc = EXIT_ERROR
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _broken_pipe(args, rc)
+    return rc
+
+
+def _broken_pipe(args, rc: int | None = None) -> int:
+    """The reader of our output went away (`| head`): stop quietly, keep the status already decided."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    if rc is None:
+        rc = getattr(args, "_rc", EXIT_OK) if args is not None else EXIT_OK
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
