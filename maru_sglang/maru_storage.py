@@ -95,7 +95,9 @@ class MaruStorage(HiCacheStorage):
             raise ValueError("MaruStorage: this host pool has no KV buffer of its own (a logical anchor); "
                              "its side pools need the HiCache v2 interface, which MaruStorage does not serve yet")
         try:
-            sample = torch.arange(page_size, dtype=torch.int64)
+            # one logical page: with DCP, SGLang's indices and get_page_buffer_meta count the widened page
+            logical = int(getattr(mem_pool_host, "logical_page_size", page_size))
+            sample = torch.arange(logical, dtype=torch.int64)
             ptrs, sizes = mem_pool_host.get_page_buffer_meta(sample)
         except Exception as e:  # the pool says which layouts it supports
             raise ValueError(
@@ -118,10 +120,18 @@ class MaruStorage(HiCacheStorage):
         if page_bytes > self.store.max_value:
             raise ValueError(f"MaruStorage: a page is {page_bytes} bytes but pool {self.config.path} holds values of "
                              f"at most {self.store.max_value} bytes; use a larger maru_pool_size")
-        self.store.declare_size(page_bytes)
+        if page_bytes >= self.store.geo.granule:
+            self.store.declare_size(page_bytes)
+        else:  # below the smallest block: a fine geometric class holds it
+            logger.info("maru: page of %d bytes is below the pool's %d-byte granule; no exact-fit class",
+                        page_bytes, self.store.geo.granule)
         self.page_bytes = page_bytes
         self.pieces_per_page = len(ptrs)
-        fp = kv_format_fingerprint(mem_pool_host, page_bytes, len(ptrs), io="pieces")
+        # v1 stores the pieces in get_page_buffer_meta order, legacy the flat get_data_page tensor; for
+        # layer_first MHA these orders differ (K0 V0 K1 V1.. vs K0 K1.. V0 V1..), so they get separate keys.
+        extra = (self.storage_config.extra_config or {}) if self.storage_config else {}
+        io = "pieces" if bool(extra.get("interface_v1", 0)) else "flat"
+        fp = kv_format_fingerprint(mem_pool_host, page_bytes, len(ptrs), io=io)
         self._ns_base = f"{namespace_for(self.storage_config)}|fmt-{fp}"
         self._ns_cache = None
         logger.info("maru: page size %s (%d pieces per page, layout %s), namespace %s",
@@ -200,17 +210,25 @@ class MaruStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            res = self.store.batch_put_pieces(self._keys(keys), pieces, skip_existing=True)
-            self._account(res, t0, read=False)
+            nkeys = self._keys(keys)
+            # skip pages already stored with exactly one page of bytes; anything else under the key is replaced
+            present = self.store.batch_exists(nkeys)
+            todo = [i for i, k in enumerate(nkeys) if not present[i] or self.store.length_of(k) != self.page_bytes]
+            res = [True] * len(keys)
+            if todo:
+                put = self.store.batch_put_pieces([nkeys[i] for i in todo], [pieces[i] for i in todo])
+                for i, ok in zip(todo, put):
+                    res[i] = ok
+            self._account(res, t0, read=False, written=sum(res[i] for i in todo))
             return res
         except Exception as e:
             self._log_once("batch_set_v1", e)
             return [False] * len(keys)
 
-    def _account(self, res: List[bool], t0: float, read: bool) -> None:
+    def _account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
         ok = sum(res)
         dt = max(time.perf_counter() - t0, 1e-9)
-        gb = ok * (self.page_bytes or 0) / 1e9
+        gb = (ok if read else written) * (self.page_bytes or 0) / 1e9
         with self._lock:
             if read:
                 self._stats["hits"] += ok
@@ -219,9 +237,10 @@ class MaruStorage(HiCacheStorage):
                 self._prefetch_pgs.append(ok)
                 self._prefetch_bw.append(gb / dt)
             else:
-                self._stats["sets"] += ok
+                self._stats["sets"] += written
+                self._stats["set_skipped"] += ok - written
                 self._stats["set_failed"] += len(res) - ok
-                self._stats["bytes_written"] += ok * (self.page_bytes or 0)
+                self._stats["bytes_written"] += written * (self.page_bytes or 0)
                 self._backup_pgs.append(ok)
                 self._backup_bw.append(gb / dt)
 
@@ -314,7 +333,11 @@ class MaruStorage(HiCacheStorage):
             self._prefetch_bw.clear()
             self._backup_bw.clear()
             mine = dict(self._stats)
-        pool = self.store.stats() if self.store is not None else {}
+        try:  # called from the scheduler loop: never raise into it
+            pool = self.store.stats() if self.store is not None else {}
+        except Exception as e:
+            self._log_once("get_stats", e)
+            pool = {}
         mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
                      "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes})
         m.maru = mine

@@ -1,0 +1,137 @@
+"""No exception escapes a batch call (logged once per cause), and the legacy (non-v1) interface."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("sglang", exc_type=ImportError,
+                    reason="sglang cannot be imported: these tests need real SGLang 0.5.23 host pools and its backend "
+                           "factory (pip install -r requirements.txt)")
+
+import torch  # noqa: E402
+
+import hicache_helpers as hh  # noqa: E402
+from hicache_helpers import page_bytes, page_indices, prompt_keys  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+def _raw(t) -> bytes:
+    """Bytes of a tensor (bf16 holds NaNs: never compare such tensors by value)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _errors(caplog, what):
+    return [r for r in caplog.records
+            if r.name.startswith("maru_sglang") and r.levelno >= logging.ERROR and what in r.getMessage()]
+
+
+# --------------------------------------------------------------------------- 8. batch calls never raise
+def test_host_indices_of_the_wrong_length_fail_softly_and_log_once(mha_llama, caplog):
+    host, backend = mha_llama
+    keys = prompt_keys(4, "wrong-len")
+    short = page_indices(host, 0, 3)  # 3 pages for 4 keys
+    for _ in range(2):
+        assert backend.batch_set_v1(keys, short) == [False] * 4
+        assert backend.batch_get_v1(keys, short) == [False] * 4
+    assert len(_errors(caplog, "batch_set_v1")) == 1
+    assert len(_errors(caplog, "batch_get_v1")) == 1
+    assert backend.batch_exists(keys) == 0  # nothing half-written
+
+
+def test_page_size_mismatch_fails_softly(make_instance):
+    """page_size 4: an index count that is not a whole number of pages trips SGLang's own assertion."""
+    host, backend = make_instance(layout="page_first_direct", page_size=4, pages=4)
+    keys = prompt_keys(2, "ragged")
+    ragged = page_indices(host, 0, 2)[:-1]
+    assert backend.batch_set_v1(keys, ragged) == [False, False]
+    assert backend.batch_get_v1(keys, ragged) == [False, False]
+
+
+def test_closed_store_underneath_fails_softly_and_logs_once(mha_llama, caplog):
+    host, backend = mha_llama
+    keys = prompt_keys(3, "closed")
+    idx = page_indices(host, 0, 3)
+    assert backend.batch_set_v1(keys, idx) == [True] * 3
+    backend.store.close()  # the pool goes away under SGLang's storage threads
+    for _ in range(2):
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, idx) == [False] * 3
+        assert backend.batch_set_v1(keys, idx) == [False] * 3
+        assert backend.exists(keys[0]) is False
+        assert backend.get(keys[0], host.get_dummy_flat_data_page()) is None
+    for what in ("batch_exists", "batch_get_v1", "batch_set_v1"):
+        assert len(_errors(caplog, what)) == 1, (what, [r.getMessage() for r in caplog.records])
+    assert backend.get_stats().maru["hits"] == 0
+
+
+def test_closed_backend_fails_softly(mha_llama):
+    host, backend = mha_llama
+    keys = prompt_keys(2, "closed-backend")
+    backend.close()
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, page_indices(host, 0, 2)) == [False, False]
+    assert backend.batch_set_v1(keys, page_indices(host, 0, 2)) == [False, False]
+    assert backend.get_stats() is not None
+
+
+# --------------------------------------------------------------------------- 9. legacy interface
+@pytest.mark.parametrize("kind, layout, page_size", [
+    ("mha", "page_first_direct", 1), ("mha", "page_first_direct", 4), ("mha", "layer_first", 2),
+    ("mha", "page_first", 2), ("mla", "page_first_direct", 1), ("mla", "layer_first", 2),
+])
+def test_legacy_interface_round_trip(make_instance, kind, layout, page_size):
+    """What HiCacheController._generic_page_set / _generic_page_get do when interface_v1 is absent."""
+    host, backend = make_instance(kind=kind, layout=layout, page_size=page_size, pages=8, v1=False)
+    hh.fill_random(host, seed=9)
+    n = 3
+    keys = prompt_keys(n, f"legacy-{kind}-{layout}")
+    src = page_indices(host, 0, n)
+    want = page_bytes(host, src)
+
+    data = [host.get_data_page(int(src[i * page_size])) for i in range(n)]  # flat page tensors
+    flat_want = [_raw(d) for d in data]
+    assert backend.batch_set(keys, data) is True
+    assert all(backend.exists(k) for k in keys)
+    assert backend.batch_exists(keys) == n
+
+    pages = backend.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+    assert all(p is not None for p in pages)
+    assert [_raw(p) for p in pages] == flat_want
+
+    dst = page_indices(host, 4, n)
+    hh.zero_pages(host, dst)
+    for i, p in enumerate(pages):
+        host.set_from_flat_data_page(int(dst[i * page_size]), p)
+    assert page_bytes(host, dst) == want
+
+    # single-key calls, a miss, a wrong-size target, and set of a present key
+    one = backend.get(keys[0], host.get_dummy_flat_data_page())
+    assert one is not None and _raw(one) == flat_want[0]
+    assert backend.get(prompt_keys(1, "absent")[0], host.get_dummy_flat_data_page()) is None
+    assert backend.get(keys[0], host.get_dummy_flat_data_page()[:-1]) is None
+    assert backend.set(keys[0], data[1]) is True  # present: skipped, not rewritten
+    assert _raw(backend.get(keys[0], host.get_dummy_flat_data_page())) == flat_want[0]
+    assert backend.batch_set([], []) is True
+    assert backend.exists(prompt_keys(1, "absent")[0]) is False
+
+
+def test_legacy_and_v1_instances_never_exchange_pages_in_another_byte_order(make_instance):
+    """layer_first MHA: a flat legacy page is K0 K1 .. V0 V1 .., v1 pieces are K0 V0 K1 V1 ..
+
+    A v1 instance must not load a legacy instance's page as if it were its own format: it either does not
+    see it or loads exactly the same page.
+    """
+    lhost, legacy = make_instance(layout="layer_first", page_size=2, pages=4, v1=False)
+    vhost, v1 = make_instance(layout="layer_first", page_size=2, pages=4, v1=True)
+    hh.fill_random(lhost, 21)
+    keys = prompt_keys(2, "mixed")
+    assert legacy.batch_set(keys, [lhost.get_data_page(i * 2) for i in range(2)]) is True
+    want = page_bytes(lhost, page_indices(lhost, 0, 2))
+    dst = page_indices(vhost, 2, 2)
+    loaded = v1.batch_get_v1(keys, dst)
+    got = page_bytes(vhost, dst)
+    for i in range(2):
+        assert not loaded[i] or got[i] == want[i], f"page {i} loaded in the wrong byte order"
