@@ -16,7 +16,7 @@ import numpy as np
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, ENTRY_STRUCT, FREE, LIVE, LOCK_CLASSTAB,
                      LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED,
                      SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NEXT, SLAB_NFREE, UNIT_FREE, UNIT_HEAD,
-                     UNIT_TAIL, U32, U64)
+                     UNIT_TAIL, U32, U64, store_u64)
 from .locks import lock_name
 
 
@@ -41,13 +41,17 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     locks = store.locks
     g = store.geo
     alloc = store.alloc
+    report = CheckReport()
+    if repair:
+        # PROC repair: reap slots whose process died (settles their blocks). Reaping takes CLASS and
+        # PROC locks itself, so it runs before this check holds every lock.
+        report.repaired += store.reap_dead()
     alloc.refresh_classes()
     held: list[int] = []
     dirty: list[int] = []
     classes = [c.cid for c in alloc.classes if c is not None]
     order = [LOCK_CLASSTAB] + [CLASS_LOCK_BASE + c for c in classes] + [LOCK_POOL] + \
         [SHARD_LOCK_BASE + s for s in range(g.index_shards)]
-    report = CheckReport()
     try:
         for lock_id in order:
             if locks.acquire(lock_id):
@@ -75,7 +79,7 @@ def _repair_all(store, classes) -> int:
         bad = np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts)
         for gi in bad.tolist():
             w = int(words[gi])
-            U64.pack_into(store.mm, g.off_blockmeta + gi * 32, (((w >> 2) + 1) << 2) | FREE)
+            store_u64(store.mm, g.off_blockmeta + gi * 32, (((w >> 2) + 1) << 2) | FREE)
             fixes += 1
     finally:
         del words

@@ -82,6 +82,17 @@ U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 U16 = struct.Struct("<H")
 
+
+def store_u64(buf, off: int, value: int) -> None:
+    """Store an aligned little-endian u64 as one 8-byte write (a block meta or index entry word).
+
+    Never `U64.pack_into` for a word another process may read without our lock: struct zero-fills
+    its target first and then writes byte by byte, so a concurrent reader can see 0 (= FREE, or an
+    empty index slot) or a partial value. A slice assignment is one 8-byte memcpy, which x86-64
+    performs as whole aligned stores: a reader sees the old word or the new one.
+    """
+    buf[off:off + 8] = value.to_bytes(8, "little")
+
 SUPERBLOCK = struct.Struct("<8sIIQIIIIIIIIQQQQQQQQQQQQ16s")
 _SB_FIELDS = (
     "magic", "version", "flags", "file_size", "granule", "unit_size", "n_units",

@@ -34,6 +34,13 @@ def dax_size(path: str, sysfs_root: str = "/sys") -> int:
     raise StoreError(f"cannot read the size of DAX device {path} from sysfs ({sysfs_root}/bus/dax/devices/{name}/size)")
 
 
+def is_device_path(path: str) -> bool:
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def side_lock_path(path: str) -> str:
     """Where a DAX device keeps its locks: a regular file in /dev/shm named after the device."""
     return f"/dev/shm/.maru_shm-{os.path.basename(path)}.lock"
@@ -90,6 +97,7 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path")
     fd, created = _open_fd(path, create, mode)
     lock_fd = fd
+    ok = False
     try:
         st = os.fstat(fd)
         is_device = stat.S_ISCHR(st.st_mode)
@@ -118,12 +126,15 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         if geo2 != geo:
             mm.close()
             raise StoreError(f"{path} changed while it was being opened; retry")
+        ok = True
         return PoolFile(fd, lock_fd, mm, geo, path, is_device, created)
-    except BaseException:
-        if lock_fd != fd:
-            os.close(lock_fd)
-        os.close(fd)
-        raise
+    finally:
+        if not ok:
+            if created and not is_device_path(path) and os.fstat(fd).st_size == 0:
+                os.unlink(path)  # we made this empty file and could not make it a pool
+            if lock_fd != fd:
+                os.close(lock_fd)
+            os.close(fd)
 
 
 class _NotReady(Exception):
@@ -143,8 +154,8 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
                         plan_kwargs: dict) -> Geometry:
     """Holding INIT: read a ready pool, or initialise an empty/unfinished one if `create`."""
     actual = dax_size(path) if is_device else os.fstat(fd).st_size
-    head = os.pread(fd, STATE_OFF + 4, 0) if actual >= STATE_OFF + 4 else b""
-    ready = len(head) == STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
+    head = os.pread(fd, min(actual, SUPERBLOCK_SIZE), 0) if actual else b""
+    ready = len(head) >= STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
     if ready:
         geo = Geometry.read(head, actual)
         if size is not None and size != geo.file_size and not is_device:
@@ -152,7 +163,8 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
                 f"{path} is an existing pool of {geo.file_size} bytes, but size={size} was asked for; "
                 "omit size to open it as it is, or destroy and recreate it")
         return geo
-    uninitialised = not any(head[:8]) or head[:8] == MAGIC or actual == 0
+    # Ours to (re)initialise only if empty, all zero where we looked, or our own unfinished header.
+    uninitialised = actual == 0 or not any(head) or head[:8] == MAGIC
     if not create:
         if actual == 0 or uninitialised:
             raise _NotReady(f"{path} is not an initialised maru-shm pool (its creator did not finish); "

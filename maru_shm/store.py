@@ -19,8 +19,9 @@ import numpy as np
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, FREE, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry)
-from .index import Index, key_digest
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, store_u64)
+from .index import Index, digest_array, key_digest
+from .resolve import resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
 from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
@@ -109,8 +110,18 @@ class Store:
         self._closed = False
         self.slot = -1
         self.alloc = Allocator(self)
-        self._attach()
-        self.reap_dead()
+        try:
+            self._attach()
+            self.reap_dead()
+        except BaseException:
+            # Leave nothing behind: the slot, and the buffer exports that would make closing the map fail
+            # (BufferError) and hide the real error.
+            try:
+                self._detach()
+            finally:
+                self.alloc.release_views()
+                del self._anchor
+            raise
 
     def __enter__(self) -> "Store":
         return self
@@ -151,20 +162,24 @@ class Store:
         return self.geo.off_procs + slot * PROC_ENTRY
 
     def _attach(self) -> None:
-        with self.locks.hold(LOCK_PROC):
-            for slot in range(self.geo.proc_slots):
-                state = PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0]
-                if state != 0:
-                    continue
-                if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
-                    continue  # being reaped right now
-                pid = os.getpid()
-                o = self._slot_off(slot)
-                self.mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
-                PROC_HEAD.pack_into(self.mm, o, 1, pid, _start_ticks(pid), time.time_ns(), os.geteuid())
-                self.slot = slot
-                self.locks.slot_plus1 = slot + 1
-                return
+        for attempt in range(2):
+            with self.locks.hold(LOCK_PROC):
+                for slot in range(self.geo.proc_slots):
+                    state = PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0]
+                    if state != 0:
+                        continue
+                    if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
+                        continue  # being reaped right now
+                    pid = os.getpid()
+                    o = self._slot_off(slot)
+                    self.mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
+                    PROC_HEAD.pack_into(self.mm, o, 1, pid, _start_ticks(pid), time.time_ns(), os.geteuid())
+                    self.slot = slot
+                    self.locks.slot_plus1 = slot + 1
+                    return
+            # Every slot is claimed: some claimants may be dead (reaping is lazy). Reap, then look again.
+            if attempt or not self.reap_dead():
+                break
         raise StoreError(f"process table of {self.path} is full ({self.geo.proc_slots} slots); "
                          "detach idle processes or recreate the pool with more proc_slots")
 
@@ -173,6 +188,10 @@ class Store:
             return
         self.flush_counters()
         try:
+            # Settle blocks still owned by this slot (a put that raised midway), as a reaper would for a
+            # dead slot: once the slot is free, nobody would ever settle them. If this fails, the slot
+            # stays claimed without its SLOT lock, so the next reaper settles them.
+            self.alloc.resolve_owned(self._owned_blocks(self.slot), self.slot + 1)
             with self.locks.hold(LOCK_PROC):
                 self._retire_slot(self.slot)
         finally:
@@ -214,6 +233,13 @@ class Store:
         return reaped
 
     def _reap_slot(self, slot: int) -> None:
+        self.alloc.resolve_owned(self._owned_blocks(slot), slot + 1)
+        with self.locks.hold(LOCK_PROC):
+            self._retire_slot(slot)
+        self.count(repairs=1)
+
+    def _owned_blocks(self, slot: int) -> list[int]:
+        """Data offsets of the blocks whose meta names `slot` as owner."""
         owners = np.ndarray((self.geo.n_granules,), dtype="<u2", buffer=self.mm,
                             offset=self.geo.off_blockmeta + 28, strides=(32,))
         try:
@@ -231,10 +257,7 @@ class Store:
             off = h * self.geo.unit_size + i * info.block
             if off // self.geo.granule == g:
                 blocks.append(off)
-        self.alloc.resolve_owned(blocks, slot + 1)
-        with self.locks.hold(LOCK_PROC):
-            self._retire_slot(slot)
-        self.count(repairs=1)
+        return blocks
 
     # ---------------------------------------------------------------- hooks used by the allocator
     def count(self, **kw) -> None:
@@ -300,6 +323,9 @@ class Store:
 
     def _copy_out(self, found, pieces: Pieces) -> bool:
         offset, w1, length, m = found
+        loc = self.alloc.block_index(offset)
+        if loc is None or length > loc[1].block:
+            return False  # not a block start of a formatted slab, or a length overrunning it: never copy
         src = self._data + offset
         for addr, n in pieces:
             ctypes.memmove(addr, src, n)
@@ -314,22 +340,51 @@ class Store:
         """Load the value of `key` into destination pieces whose total length must equal it exactly."""
         return self.batch_get_pieces([key], [pieces])[0]
 
-    def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces]) -> list[bool]:
+    def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces], *, digests=None) -> list[bool]:
+        """Load many values into destination pieces; per key True only if the stored length matches exactly.
+
+        `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
+        """
         self._check_open()
+        res = resolve(self, self._digest_batch(keys, digests))
+        oks, offs, words, lens = res.ok.tolist(), res.offsets.tolist(), res.words.tolist(), res.lengths.tolist()
         out = []
-        hits = misses = nbytes = 0
-        for key, pieces in zip(keys, pieces_list):
-            found = self._lookup(key_digest(key))
-            ok = found is not None and sum(n for _, n in pieces) == found[2] and self._copy_out(found, pieces)
+        hits = nbytes = 0
+        mm, data, memmove = self.mm, self._data, ctypes.memmove
+        meta, gran, slabs, unit = self.geo.off_blockmeta, self.geo.granule, self.geo.off_slabs, self.geo.unit_size
+        for i, pieces in enumerate(pieces_list):
+            ok = oks[i]
             if ok:
-                hits += 1
-                nbytes += found[2]
-            else:
-                misses += 1
+                length = lens[i]
+                if sum([n for _, n in pieces]) != length:
+                    ok = False
+                else:
+                    off = offs[i]
+                    src = data + off
+                    for addr, n in pieces:
+                        memmove(addr, src, n)
+                        src += n
+                    m = meta + (off // gran) * 32
+                    ok = U64.unpack_from(mm, m)[0] == words[i]  # unchanged across the copy: not torn
+                    if ok:
+                        mm[m + 30] = 1
+                        mm[slabs + (off // unit) * 64 + 24] = 1
+                        hits += 1
+                        nbytes += length
             out.append(ok)
-        self.count(hits=hits, misses=misses, bytes_read=nbytes)
+        self.count(hits=hits, misses=len(out) - hits, bytes_read=nbytes)
         self.flush_counters()
         return out
+
+    def resolve(self, digests):
+        """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py)."""
+        self._check_open()
+        return resolve(self, digest_array(digests))
+
+    def _digest_batch(self, keys, digests) -> np.ndarray:
+        if digests is not None:
+            return digest_array(digests)
+        return digest_array([key_digest(k) for k in keys])
 
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
@@ -377,22 +432,18 @@ class Store:
         self._check_open()
         return self._lookup(key_digest(key)) is not None
 
-    def batch_exists(self, keys: Iterable) -> list[bool]:
+    def batch_exists(self, keys: Iterable = (), *, digests=None) -> list[bool]:
+        """Per key: is a committed value present? One vectorised pass, no locks."""
         self._check_open()
-        lookup = self._lookup
-        return [lookup(key_digest(k)) is not None for k in keys]
+        return resolve(self, self._digest_batch(list(keys), digests), full=False).ok.tolist()
 
-    def leading_hits(self, keys: Iterable, length: int | None = None) -> int:
+    def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
         """How many keys from the start are present (with exactly `length` bytes, if given)."""
         self._check_open()
-        lookup = self._lookup
-        n = 0
-        for k in keys:
-            found = lookup(key_digest(k))
-            if found is None or (length is not None and found[2] != length):
-                break
-            n += 1
-        return n
+        r = resolve(self, self._digest_batch(list(keys), digests), full=False)
+        ok = r.ok if length is None else r.ok & (r.lengths == length)
+        miss = np.flatnonzero(~ok)
+        return int(miss[0]) if miss.size else int(ok.size)
 
     def length_of(self, key) -> int | None:
         """Stored length of `key`, or None."""
@@ -423,16 +474,51 @@ class Store:
         return res
 
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
-                         skip_existing: bool = False) -> list[bool]:
-        """Store many values; per key True once committed and visible (or already present with skip_existing)."""
+                         skip_existing: bool = False, *, digests=None) -> list[bool]:
+        """Store many values; per key True once committed and visible (or already present with skip_existing).
+
+        With skip_existing the check is atomic: a key that another process
+        publishes first, even while this call copies, keeps its value.
+        `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
+        """
         self._check_open()
-        n = len(keys)
+        mine: list[tuple[int, int]] = []  # (offset, word) of each block this call reserved or committed
+        try:
+            return self._put_many(keys, pieces_list, skip_existing, mine, digests)
+        except BaseException:
+            self._settle(mine)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
+            raise
+
+    def _settle(self, mine: list[tuple[int, int]]) -> None:
+        """A put raised midway: disown its published blocks, free the ones it still owns (best effort)."""
+        owner = self.slot + 1
+        to_free = []
+        for off, word in mine:
+            m = self.alloc.meta_off(off)
+            w = U64.unpack_from(self.mm, m)[0]
+            if w != word or U16.unpack_from(self.mm, m + 28)[0] != owner:
+                continue  # not this lifetime of the block any more, or already settled
+            if w & 3 == LIVE and self.indexed_at(bytes(self.mm[m + 8:m + 24]), off, w):
+                U16.pack_into(self.mm, m + 28, 0)
+            else:
+                to_free.append((off, w))
+        try:
+            self.alloc.free_blocks(to_free)
+        except StoreError:
+            pass  # still owned by this slot: close() or a reaper settles them
+
+    def _put_many(self, keys: Sequence, pieces_list: Sequence[Pieces], skip_existing: bool,
+                  mine: list[tuple[int, int]], digests=None) -> list[bool]:
+        n = len(pieces_list)
         res = [False] * n
-        digests = [key_digest(k) for k in keys]
-        lengths = [sum(p[1] for p in pieces) for pieces in pieces_list]
+        darr = self._digest_batch(keys, digests)
+        flat = darr.tobytes()
+        digests = [flat[i:i + 16] for i in range(0, 16 * n, 16)]
+        lengths = [sum([p[1] for p in pieces]) for pieces in pieces_list]
+        present = resolve(self, darr, full=False).ok.tolist() if skip_existing else [False] * n
         groups: dict[int, tuple] = {}
         for i in range(n):
-            if skip_existing and self._lookup(digests[i]) is not None:
+            if present[i]:
                 res[i] = True
                 continue
             info = self.alloc.class_for(lengths[i]) if lengths[i] <= self.geo.max_value else None
@@ -447,6 +533,7 @@ class Store:
                 rest = idxs[len(offs):]
                 offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
             placed.extend(zip(idxs, offs))
+            mine.extend((off, U64.unpack_from(self.mm, self.alloc.meta_off(off))[0]) for off in offs)
         # copy and commit, without locks
         committed = []
         data, data_end, mm = self._data, self.geo.data_bytes, self.mm
@@ -460,19 +547,26 @@ class Store:
             m = self.alloc.meta_off(off)
             w = U64.unpack_from(mm, m)[0]
             live = (((w >> 2) + 1) << 2) | LIVE
-            U64.pack_into(mm, m, live)
+            store_u64(mm, m, live)  # commit: lock-free, so one 8-byte store (see format.store_u64)
+            mine.append((off, live))
             committed.append((i, off, live, m))
         # publish, one shard lock per shard
         by_shard: dict[int, list] = {}
         for item in committed:
             by_shard.setdefault(self.index.shard_of(digests[item[0]]), []).append(item)
         to_free: list[tuple[int, int]] = []
+        published = [False] * n
         evicted = evicted_bytes = 0
         for s, items in by_shard.items():
             with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
                 for i, off, live, m in items:
                     if U64.unpack_from(mm, m)[0] != live:
                         continue
+                    if skip_existing:
+                        cur = self.index.find(digests[i])
+                        if cur is not None and self._entry_valid(digests[i], cur[0], cur[1]):
+                            res[i] = True  # someone published it first: theirs stays, ours is spare
+                            continue
                     while self.index.is_full(s):
                         victim = self.index.clock_victim(s, self.alloc.is_referenced)
                         if victim is None:
@@ -487,18 +581,17 @@ class Store:
                     old = self.index.put(s, digests[i], live, off)
                     if old is not None:
                         to_free.append((old[1], old[0]))
-                    res[i] = True
+                    res[i] = published[i] = True
         for i, off, live, m in committed:
-            if U64.unpack_from(mm, m)[0] == live:
+            if not published[i]:
+                to_free.append((off, live))  # still owned by us until freed: a crash here is reaped
+            elif U64.unpack_from(mm, m)[0] == live:
                 U16.pack_into(mm, m + 28, 0)  # published: no longer this process's to settle
-        for i, off, live, m in committed:
-            if not res[i]:
-                to_free.append((off, live))
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)
         self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
-                   bytes_written=sum(lengths[i] for i, *_ in committed))
+                   bytes_written=sum(lengths[i] for i, *_ in committed if published[i]))
         self.flush_counters()
         return res
 

@@ -165,6 +165,18 @@ def bench_ops(args) -> dict:
     return out
 
 
+@scenario("datapath")
+def bench_datapath(args) -> dict:
+    from .bench_sglang import datapath
+    return {"scenario": "datapath", "rows": [datapath(ps, args.repeat) for ps in (1, 16)]}
+
+
+@scenario("lookup")
+def bench_lookup(args) -> dict:
+    from .bench_sglang import lookup
+    return {"scenario": "lookup", **lookup(args.repeat)}
+
+
 def render(results: list[dict]) -> str:
     lines = []
     for r in results:
@@ -184,6 +196,19 @@ def render(results: list[dict]) -> str:
                     f"[{row['get_spread'][0]:,.0f}-{row['get_spread'][1]:,.0f}]; plain copy one way "
                     f"{2 * row['copy_roundtrip_ops']:,.0f}/s; put/copy {row['put_ratio']:.3f}, "
                     f"get/copy {row['get_ratio']:.3f}")
+        elif r["scenario"] == "datapath":
+            for row in r["rows"]:
+                for op in ("set", "get"):
+                    ours, lim, fil = row[op], row[f"limit_{op}"], row[f"file_{op}"]
+                    lines.append(
+                        f"datapath  {format_size(row['page_bytes'])} pages, batch_{op}_v1: {ours['gbps']:.2f} GB/s "
+                        f"{ours['pages_per_s']:,.0f} pages/s [{ours['spread_gbps'][0]:.2f}-{ours['spread_gbps'][1]:.2f}]; "
+                        f"copy limit {lim['gbps']:.2f} GB/s -> x{row[f'{op}_vs_limit']:.2f}; HiCacheFile "
+                        f"{fil['pages_per_s']:,.0f} pages/s -> x{row[f'{op}_vs_file']:.1f}")
+        elif r["scenario"] == "lookup":
+            for case in ("all_hits", "first_miss"):
+                lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "
+                             f"vs HiCacheFile {r[case + '_file'] * 1e6:.1f} us -> x{r[case + '_ratio']:.1f}")
     return "\n".join(lines)
 
 

@@ -33,13 +33,19 @@ def geometric_sizes(granule: int, max_value: int) -> list[int]:
         i += 1
 
 
-def slab_shape(block_size: int, unit_size: int, max_units: int = 64) -> tuple[int, int]:
+EXACT_MIN_SLAB = 2 << 20
+
+
+def slab_shape(block_size: int, unit_size: int, max_units: int = 64, min_bytes: int = 0) -> tuple[int, int]:
     """(units per slab, blocks per slab) for a class: the smallest slab that wastes <= 1 %.
 
     Blocks per slab are capped by the slab bitmap (256). When no k up to
     `max_units` gets under 1 %, the k with the least tail waste wins.
+    `min_bytes` sets a floor on the slab size: exact-fit classes (KV pages)
+    use 2 MiB so a batch of pages formats few slabs; geometric classes use
+    the smallest slab, since each class in use keeps one slab half filled.
     """
-    min_units = max(1, -(-block_size // unit_size))
+    min_units = max(1, -(-block_size // unit_size), -(-min_bytes // unit_size))
     best = None
     for k in range(min_units, max(min_units, max_units) + 1):
         n = min(k * unit_size // block_size, MAX_BLOCKS_PER_SLAB)

@@ -17,8 +17,8 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       CLS_PARTIAL, CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
                       LOCK_CLASSTAB, LOCK_POOL, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
-                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL)
-from .classes import slab_shape
+                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
+from .classes import EXACT_MIN_SLAB, slab_shape
 
 class ClassInfo:
     __slots__ = ("cid", "kind", "k", "block", "bps")
@@ -73,6 +73,21 @@ class Allocator:
         self.classes, self.geo_sizes, self.exact = classes, geo_sizes, exact
         self._classes_version = ver
 
+    def class_arrays(self):
+        """(block sizes, blocks per slab) indexed by class id, 0 for unused classes (for numpy checks)."""
+        (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
+        if ver != self._classes_version:
+            self.refresh_classes()
+        if getattr(self, "_arrays_version", None) != self._classes_version:
+            block = np.zeros(self.geo.class_cap, dtype=np.int64)
+            bps = np.zeros(self.geo.class_cap, dtype=np.int64)
+            for c in self.classes:
+                if c is not None:
+                    block[c.cid], bps[c.cid] = c.block, c.bps
+            self._arrays = (block, bps)
+            self._arrays_version = self._classes_version
+        return self._arrays
+
     def class_for(self, n: int) -> ClassInfo | None:
         """Exact-fit class of exactly n bytes if declared, else the smallest geometric class >= n."""
         cid = self.exact.get(n)
@@ -103,7 +118,7 @@ class Allocator:
             for cid in range(self.geo.n_geo_classes, self.geo.class_cap):
                 off = self.off_classes + cid * CLASS_ENTRY
                 if U32.unpack_from(self.mm, off)[0] == KIND_UNUSED:
-                    k, bps = slab_shape(n, self.U)
+                    k, bps = slab_shape(n, self.U, min_bytes=EXACT_MIN_SLAB)
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
                     (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
@@ -226,8 +241,8 @@ class Allocator:
                     if head:
                         self.repair_class(cid)
                         continue
-                    h = self._new_slab(info)
-                    if h is None:
+                    need = -(-(len(items) - len(out)) // info.bps)
+                    if not self._new_slabs(info, need):
                         break
                     continue
                 h = head - 1
@@ -265,29 +280,47 @@ class Allocator:
         U32.pack_into(self.mm, m + 24, length)
         U16.pack_into(self.mm, m + 28, owner)
         self.mm[m + 30] = 0
-        U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | RESERVED)
+        store_u64(self.mm, m, (((word >> 2) + 1) << 2) | RESERVED)
 
-    def _new_slab(self, info: ClassInfo) -> int | None:
-        """Format a new slab for the class from free units (evicting if needed); CLASS lock held."""
+    def _new_slabs(self, info: ClassInfo, count: int) -> int:
+        """Format up to `count` new slabs for the class in one POOL round (evicting if needed).
+
+        CLASS lock held. Returns how many slabs were formatted (0: no room could be made).
+        """
+        made = 0
         with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
-            u = self.find_free_run(info.k)
-            if u is None:
+            for u in self.find_free_runs(info.k, count):
+                self._format_slab(u, info)
+                made += 1
+            if made == 0:
                 u = self._evict_for(info)
-            if u is None:
-                return None
-            self._format_slab(u, info)
-            return u
+                if u is not None:
+                    self._format_slab(u, info)
+                    made = 1
+        return made
 
     def find_free_run(self, k: int) -> int | None:
+        runs = self.find_free_runs(k, 1)
+        return runs[0] if runs else None
+
+    def find_free_runs(self, k: int, count: int) -> list[int]:
+        """Starts of up to `count` non-overlapping runs of k FREE units, lowest first."""
+        if k > self.n_units or count <= 0:
+            return []
         free = self.states == UNIT_FREE
         if k == 1:
-            idx = np.flatnonzero(free)
-            return int(idx[0]) if idx.size else None
-        if k > self.n_units:
-            return None
+            return np.flatnonzero(free)[:count].tolist()
         cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
-        runs = np.flatnonzero(cs[k:] - cs[:-k] == k)
-        return int(runs[0]) if runs.size else None
+        starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
+        out: list[int] = []
+        nxt = -1
+        for u in starts:
+            if u >= nxt:
+                out.append(u)
+                nxt = u + k
+                if len(out) == count:
+                    break
+        return out
 
     def _format_slab(self, h: int, info: ClassInfo) -> None:
         s = self._slab(h)
@@ -328,7 +361,7 @@ class Allocator:
         """CLASS lock held: mark a block FREE (word bumped first, so readers miss) and update derived state."""
         m = self.meta_off(off)
         (word,) = U64.unpack_from(self.mm, m)
-        U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+        store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
         U16.pack_into(self.mm, m + 28, 0)
         self.mm[m + 30] = 0
         if self._bit(h, i):
@@ -516,7 +549,7 @@ class Allocator:
                 else:
                     drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
                 if drop:
-                    U64.pack_into(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+                    store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1
                     continue

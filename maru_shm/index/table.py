@@ -9,18 +9,14 @@ a shard never exceeds 7/8 load: the writer evicts a cold entry first.
 
 from __future__ import annotations
 
-import hashlib
+import numpy as np
 
-from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, U64, Geometry)
+from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, U64, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 
 
-def key_digest(key) -> bytes:
-    """128-bit BLAKE2b digest of a str or bytes key."""
-    if isinstance(key, str):
-        key = key.encode()
-    return hashlib.blake2b(key, digest_size=16).digest()
+from .digest import key_digest, prefixed_digests  # noqa: E402,F401  (re-exported)
 
 
 class Index:
@@ -62,6 +58,28 @@ class Index:
             pos = (pos + 1) & mask
         return None
 
+    def find_many(self, halves: np.ndarray):
+        """Vectorised lock-free lookup of many digests, given as an (n, 2) array of little-endian u64 halves.
+
+        Returns (words, offsets) arrays; word 0 means not found. Keys sitting in
+        their home slot (most of them below 7/8 load) are resolved in one numpy
+        gather; the rest fall back to the bounded scalar probe.
+        """
+        entries = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=self.mm, offset=self.off)
+        try:
+            slot = (halves[:, 0] & self.smask) * self.slots + (halves[:, 1] & self.mask)
+            e = entries[slot.astype(np.int64)]
+        finally:
+            del entries
+        hit = (e[:, 0:2] == halves).all(axis=1) & (e[:, 2] != 0)
+        words = np.where(hit, e[:, 2], 0)
+        offsets = np.where(hit, e[:, 3], 0)
+        for i in np.flatnonzero(~hit & (e[:, 2] != 0)).tolist():  # displaced: probe on
+            found = self.find(halves[i].tobytes())
+            if found is not None:
+                words[i], offsets[i] = found
+        return words, offsets
+
     # -- under the shard lock ----------------------------------------------------
     def count(self, shard: int) -> int:
         return SHARD_STRUCT.unpack_from(self.mm, self.off_hdr + shard * SHARD_HEADER)[0]
@@ -91,13 +109,13 @@ class Index:
         e = self.entry_off(shard, pos)
         if found is None:
             self.mm[e:e + 16] = d
-            U64.pack_into(self.mm, e + 24, offset)
-            U64.pack_into(self.mm, e + 16, word)  # publication point
+            store_u64(self.mm, e + 24, offset)
+            store_u64(self.mm, e + 16, word)  # publication point (one 8-byte store)
             self._set_count(shard, self.count(shard) + 1)
             return None
         # A reader pairing the old word with the new offset fails block validation: a miss.
-        U64.pack_into(self.mm, e + 24, offset)
-        U64.pack_into(self.mm, e + 16, word)
+        store_u64(self.mm, e + 24, offset)
+        store_u64(self.mm, e + 16, word)
         return found
 
     def remove(self, shard: int, d: bytes, offset: int | None = None, word: int | None = None):
@@ -126,13 +144,13 @@ class Index:
             if stays:
                 continue
             eh = self.entry_off(shard, hole)
-            U64.pack_into(mm, eh + 16, 0)
+            store_u64(mm, eh + 16, 0)
             mm[eh:eh + 16] = ed
-            U64.pack_into(mm, eh + 24, offset)
-            U64.pack_into(mm, eh + 16, word)
+            store_u64(mm, eh + 24, offset)
+            store_u64(mm, eh + 16, word)
             hole = j
         eh = self.entry_off(shard, hole)
-        U64.pack_into(mm, eh + 16, 0)
+        store_u64(mm, eh + 16, 0)
         mm[eh:eh + ENTRY_SIZE] = _ZERO_ENTRY
 
     def clock_victim(self, shard: int, is_referenced):

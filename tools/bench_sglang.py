@@ -1,0 +1,226 @@
+"""Data-path and lookup scenarios of `maru-shm bench`, on real SGLang host pools.
+
+Each figure of MaruStorage is measured next to two peers in the same run:
+  limit       torch copies of exactly the same K and V pieces between the same
+              host pool and a /dev/shm mapping (index_select / index_copy_ of
+              the pages, the fastest copy torch offers), and
+  HiCacheFile SGLang's own file backend on /dev/shm, driven the way SGLang's
+              cache controller drives a backend without interface_v1
+              (get_data_page -> batch_set; batch_get -> set_from_flat_data_page).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
+
+
+def _median(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def _storage_config(extra: dict | None):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+                                model_name="meta-llama/Llama-3.1-8B-Instruct", extra_config=extra)
+
+
+def _host_pool(page_size: int, pages: int):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    dev = MHATokenToKVPool(size=16, page_size=page_size, dtype=torch.bfloat16, head_num=8, head_dim=128,
+                           layer_num=32, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=31,
+                           enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first_direct",
+                                pin_memory=False, device="cpu", allocator_type="default", device_capacity_tokens=0,
+                                host_token_capacity=(pages + 1) * page_size, start_layer=0, end_layer=31)
+    raw = host.kv_buffer.view(torch.uint8)
+    g = torch.Generator().manual_seed(3)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    return host
+
+
+class _Limit:
+    """Plain copies of the same K and V pieces between the host pool and a /dev/shm mapping.
+
+    Two ways, both timed, the faster one is the limit: torch `copy_` of each
+    piece (views over the host buffer and the mapping), and ctypes.memmove of
+    each piece. No index, no locks, no validation: just the bytes.
+    """
+
+    def __init__(self, host, nbytes: int):
+        import ctypes
+        import torch
+        self.host = host
+        self.fd, self.path = tempfile.mkstemp(dir="/dev/shm", prefix="maru-bench-limit-")
+        os.ftruncate(self.fd, nbytes)
+        self.mm = mmap.mmap(self.fd, nbytes)
+        try:
+            self.mm.madvise(23)  # populate, as the pool is
+        except OSError:
+            pass
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.base = self.buf.data_ptr()
+        self.host_flat = host.kv_buffer.view(-1).view(torch.uint8)
+        self.host_base = host.kv_buffer.data_ptr()
+        self.memmove = ctypes.memmove
+
+    def _views(self, indices):
+        ptrs, sizes = self.host.get_page_buffer_meta(indices)
+        out, o = [], 0
+        for p, n in zip(ptrs, sizes):
+            out.append((self.host_flat[p - self.host_base:p - self.host_base + n], self.buf[o:o + n], p, o, n))
+            o += n
+        return out
+
+    def store_torch(self, indices):
+        for h, d, _, _, _ in self._views(indices):
+            d.copy_(h)
+
+    def load_torch(self, indices):
+        for h, d, _, _, _ in self._views(indices):
+            h.copy_(d)
+
+    def store_memmove(self, indices):
+        ptrs, sizes = self.host.get_page_buffer_meta(indices)
+        o = self.base
+        for p, n in zip(ptrs, sizes):
+            self.memmove(o, p, n)
+            o += n
+
+    def load_memmove(self, indices):
+        ptrs, sizes = self.host.get_page_buffer_meta(indices)
+        o = self.base
+        for p, n in zip(ptrs, sizes):
+            self.memmove(p, o, n)
+            o += n
+
+    def close(self):
+        del self.buf, self.host_flat
+        self.mm.close()
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
+    """batch_set_v1 / batch_get_v1 of 128 pages vs the copy limit and HiCacheFile."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    host = _host_pool(page_size, 2 * BATCH)
+    page_bytes = host.get_size_per_token() * page_size
+    src = torch.arange(0, BATCH * page_size, dtype=torch.int64)
+    dst = torch.arange(BATCH * page_size, 2 * BATCH * page_size, dtype=torch.int64)
+    pool = pool or f"/dev/shm/maru-bench-dp-{os.getpid()}"
+    if os.path.exists(pool):
+        os.unlink(pool)
+    pool_bytes = max(1 << 30, 2 * (repeat + 1) * BATCH * page_bytes)
+    extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
+             "interface_v1": 1, "maru_path": pool, "maru_pool_size": pool_bytes}
+    maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
+    maru.register_mem_pool_host(host)
+    file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
+    hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
+    hfile.register_mem_pool_host(host)
+    limit = _Limit(host, 2 * BATCH * page_bytes)
+    t = {k: [] for k in ("set", "get", "limit_set", "limit_get", "torch_set", "torch_get", "memmove_set",
+                         "memmove_get", "file_set", "file_get")}
+    try:
+        for rep in range(repeat + 1):  # first round warms up, not counted
+            keys = [f"{page_size}-{rep}-{i:058x}" for i in range(BATCH)]
+            rows = []
+            t0 = time.perf_counter()
+            ok = maru.batch_set_v1(keys, src)
+            rows.append(("set", time.perf_counter() - t0))
+            assert all(ok), "batch_set_v1 failed"
+            t0 = time.perf_counter()
+            ok = maru.batch_get_v1(keys, dst)
+            rows.append(("get", time.perf_counter() - t0))
+            assert all(ok), "batch_get_v1 failed"
+            for way in ("torch", "memmove"):
+                t0 = time.perf_counter()
+                getattr(limit, f"store_{way}")(src)
+                rows.append((f"{way}_set", time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                getattr(limit, f"load_{way}")(dst)
+                rows.append((f"{way}_get", time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
+            assert hfile.batch_set(keys, data)
+            rows.append(("file_set", time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            dummy = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
+            got = hfile.batch_get(keys, dummy)
+            for i in range(BATCH):
+                host.set_from_flat_data_page(int(dst[i * page_size]), got[i])
+            rows.append(("file_get", time.perf_counter() - t0))
+            if rep:
+                for name, dt in rows:
+                    t[name].append(dt)
+                for op in ("set", "get"):
+                    t[f"limit_{op}"].append(min(t[f"torch_{op}"][-1], t[f"memmove_{op}"][-1]))
+    finally:
+        limit.close()
+        maru.close()
+        shutil.rmtree(file_dir, ignore_errors=True)
+        if os.path.exists(pool):
+            os.unlink(pool)
+    nbytes = BATCH * page_bytes
+    out = {"page_size": page_size, "page_bytes": page_bytes, "batch": BATCH}
+    for name, xs in t.items():
+        med, lo, hi = _median(xs)
+        out[name] = {"seconds": med, "gbps": nbytes / med / 1e9, "pages_per_s": BATCH / med,
+                     "spread_gbps": [nbytes / hi / 1e9, nbytes / lo / 1e9]}
+    for op in ("set", "get"):
+        out[f"{op}_vs_limit"] = out[f"limit_{op}"]["seconds"] / out[op]["seconds"]
+        out[f"{op}_vs_file"] = out[f"file_{op}"]["seconds"] / out[op]["seconds"]
+    return out
+
+
+def lookup(repeat: int, pool: str | None = None) -> dict:
+    """batch_exists of 128 keys (all hits; first-key miss) vs HiCacheFile."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    host = _host_pool(1, BATCH)
+    src = __import__("torch").arange(0, BATCH, dtype=__import__("torch").int64)
+    pool = pool or f"/dev/shm/maru-bench-lookup-{os.getpid()}"
+    if os.path.exists(pool):
+        os.unlink(pool)
+    extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
+             "interface_v1": 1, "maru_path": pool, "maru_pool_size": "256M"}
+    maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
+    maru.register_mem_pool_host(host)
+    file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
+    hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
+    keys = [f"lookup-{i:058x}" for i in range(BATCH)]
+    miss_first = ["absent-key"] + keys[1:]
+    try:
+        assert all(maru.batch_set_v1(keys, src))
+        assert hfile.batch_set(keys, [host.get_data_page(i) for i in range(BATCH)])
+        res = {}
+        for label, ks, want in (("all_hits", keys, BATCH), ("first_miss", miss_first, 0)):
+            for name, backend in (("maru", maru), ("file", hfile)):
+                xs = []
+                for _ in range(repeat * 20):
+                    t0 = time.perf_counter()
+                    n = backend.batch_exists(ks)
+                    xs.append(time.perf_counter() - t0)
+                    assert n == want, (name, label, n)
+                res[f"{label}_{name}"] = statistics.median(xs)
+            res[f"{label}_ratio"] = res[f"{label}_file"] / res[f"{label}_maru"]
+        return res
+    finally:
+        maru.close()
+        shutil.rmtree(file_dir, ignore_errors=True)
+        if os.path.exists(pool):
+            os.unlink(pool)
