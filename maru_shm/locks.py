@@ -13,7 +13,6 @@ also has a `threading.Lock` in this process.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -132,21 +131,12 @@ class LockTable:
         ofd_unlock(self.fd, lock_id)
         self._tlock(lock_id).release()
 
-    @contextlib.contextmanager
-    def hold(self, lock_id: int, repair=None, timeout: float | None = None):
+    def hold(self, lock_id: int, repair=None, timeout: float | None = None) -> "_Held":
         """Context manager: acquire, run `repair()` if the last holder died inside, release.
 
         An exception inside the block leaves the dirty mark set, as a crash would.
         """
-        dirty = self.acquire(lock_id, timeout=timeout)
-        ok = False
-        try:
-            if dirty and repair is not None:
-                repair()
-            yield dirty
-            ok = True
-        finally:
-            self.release(lock_id, clean=ok)
+        return _Held(self, lock_id, repair, timeout)
 
     def _timeout_message(self, lock_id: int, timeout: float) -> str:
         holder = 0
@@ -155,3 +145,26 @@ class LockTable:
         who = f" (held by process slot {holder - 1})" if 0 < holder < 0xFFFFFFFF else ""
         return (f"timed out after {timeout:.3g}s waiting for lock {lock_name(lock_id)}{who}; "
                 "a holder may be stopped or very slow; raise the timeout or inspect the pool")
+
+
+class _Held:
+    """One critical section of LockTable.hold (a class, not a generator: it sits on every write path)."""
+
+    __slots__ = ("table", "lock_id", "repair", "timeout")
+
+    def __init__(self, table: LockTable, lock_id: int, repair, timeout):
+        self.table, self.lock_id, self.repair, self.timeout = table, lock_id, repair, timeout
+
+    def __enter__(self) -> bool:
+        dirty = self.table.acquire(self.lock_id, timeout=self.timeout)
+        if dirty and self.repair is not None:
+            try:
+                self.repair()
+            except BaseException:
+                self.table.release(self.lock_id, clean=False)
+                raise
+        return dirty
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.table.release(self.lock_id, clean=exc_type is None)
+        return False

@@ -274,13 +274,10 @@ class Allocator:
         return out
 
     def _reserve(self, off: int, d: bytes, length: int, owner: int) -> None:
+        """FREE -> RESERVED: one write of the whole meta (no reader acts on a block that is not LIVE)."""
         m = self.meta_off(off)
         (word,) = U64.unpack_from(self.mm, m)
-        self.mm[m + 8:m + 24] = d
-        U32.pack_into(self.mm, m + 24, length)
-        U16.pack_into(self.mm, m + 28, owner)
-        self.mm[m + 30] = 0
-        store_u64(self.mm, m, (((word >> 2) + 1) << 2) | RESERVED)
+        self.mm[m:m + META_STRUCT.size] = META_STRUCT.pack((((word >> 2) + 1) << 2) | RESERVED, d, length, owner, 0)
 
     def _new_slabs(self, info: ClassInfo, count: int) -> int:
         """Format up to `count` new slabs for the class in one POOL round (evicting if needed).
