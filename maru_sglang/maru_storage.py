@@ -13,6 +13,8 @@ same pool file and moves pages directly between its host pool and the file.
   exactly, and only from the same model, ranks and KV format.
 - Batch calls never raise into SGLang's storage threads: failures are logged
   once per cause and reported as False.
+- Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
+  calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from typing import Any, List, Optional
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
-                                                  HiCacheStorageExtraInfo)
+                                                  HiCacheStorageExtraInfo, PoolTransfer, PoolTransferResult)
 
 from maru_shm import SizeMismatchError, Store, StoreError, format_size
+
+from . import hybrid
+from maru_shm.index import prefixed_digests
 
 from .config import MaruConfig
 from .namespace import kv_format_fingerprint, namespace_for
@@ -60,6 +65,8 @@ class MaruStorage(HiCacheStorage):
         self._backup_pgs: list[int] = []
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
+        self._v2_pools: dict[str, hybrid.PoolSpec] = {}  # extra host pools of hybrid models (v2 API)
+        self._v2_stats: dict[str, dict] = {}
 
     # ------------------------------------------------------------ setup
     def _open_store(self) -> Store:
@@ -92,8 +99,9 @@ class MaruStorage(HiCacheStorage):
         layout = getattr(mem_pool_host, "layout", None)
         page_size = int(getattr(mem_pool_host, "page_size", 1))
         if getattr(mem_pool_host, "kv_buffer", True) is None:
-            raise ValueError("MaruStorage: this host pool has no KV buffer of its own (a logical anchor); "
-                             "its side pools need the HiCache v2 interface, which MaruStorage does not serve yet")
+            # a logical anchor (DeepSeek-V4): KV pages are empty markers, the data comes through the v2 pools
+            hybrid.register_logical_anchor(self, mem_pool_host)
+            return
         try:
             # one logical page: with DCP, SGLang's indices and get_page_buffer_meta count the widened page
             logical = int(getattr(mem_pool_host, "logical_page_size", page_size))
@@ -159,6 +167,10 @@ class MaruStorage(HiCacheStorage):
         ns = self._namespace()
         return [ns + k for k in keys]
 
+    def _digests(self, keys: List[str]):
+        """Store digests of this namespace's keys, (n, 16) uint8: the fast path for SGLang's SHA-256 page hashes."""
+        return prefixed_digests(self._namespace(), keys)
+
     def _log_once(self, what: str, exc: BaseException) -> None:
         cause = (what, type(exc).__name__, str(exc)[:200])
         with self._lock:
@@ -169,6 +181,8 @@ class MaruStorage(HiCacheStorage):
                      what, type(exc).__name__, exc)
 
     def _pieces(self, host_indices, n: int):
+        if self.pieces_per_page == 0:  # logical KV anchor: every KV page is an empty value
+            return [[] for _ in range(n)]
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         per = len(ptrs) // n if n else 0
         if per * n != len(ptrs) or per != self.pieces_per_page:
@@ -180,7 +194,7 @@ class MaruStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool."""
         try:
-            return self.store.leading_hits(self._keys(keys), self.page_bytes)
+            return self.store.leading_hits(length=self.page_bytes, digests=self._digests(keys))
         except Exception as e:
             self._log_once("batch_exists", e)
             return 0
@@ -193,7 +207,7 @@ class MaruStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            res = self.store.batch_get_pieces(self._keys(keys), pieces)
+            res = self.store.batch_get_pieces(keys, pieces, digests=self._digests(keys))
             self._account(res, t0, read=True)
             return res
         except Exception as e:
@@ -210,13 +224,15 @@ class MaruStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            nkeys = self._keys(keys)
+            digests = self._digests(keys)
             # skip pages already stored with exactly one page of bytes; anything else under the key is replaced
-            present = self.store.batch_exists(nkeys)
-            todo = [i for i, k in enumerate(nkeys) if not present[i] or self.store.length_of(k) != self.page_bytes]
+            found = self.store.resolve(digests)
+            present = (found.ok & (found.lengths == self.page_bytes)).tolist()
+            todo = [i for i in range(len(keys)) if not present[i]]
             res = [True] * len(keys)
             if todo:
-                put = self.store.batch_put_pieces([nkeys[i] for i in todo], [pieces[i] for i in todo])
+                put = self.store.batch_put_pieces([keys[i] for i in todo], [pieces[i] for i in todo],
+                                                  digests=digests[todo])
                 for i, ok in zip(todo, put):
                     res[i] = ok
             self._account(res, t0, read=False, written=sum(res[i] for i in todo))
@@ -224,6 +240,30 @@ class MaruStorage(HiCacheStorage):
         except Exception as e:
             self._log_once("batch_set_v1", e)
             return [False] * len(keys)
+
+    # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """One extra pool (Mamba, SWA, indexer, DeepSeek-V4 compressed KV...): own page size, class and keys."""
+        spec = hybrid.describe_pool(self, host_pool, host_pool_name)  # raises for a pool it cannot serve
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if not spec.is_kv:
+            self._v2_pools[spec.name] = spec
+
+    def on_host_pools_registered(self) -> None:
+        logger.info("maru: host pools registered: kv %s; v2 pools: %s", format_size(self.page_bytes or 0),
+                    hybrid.summary(self))
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
+                        extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
+        return hybrid.batch_exists_v2(self, keys, pool_transfers, extra_info)
+
+    def batch_get_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        return hybrid.batch_get_v2(self, transfers, extra_info)
+
+    def batch_set_v2(self, transfers: List[PoolTransfer],
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
+        return hybrid.batch_set_v2(self, transfers, extra_info)
 
     def _account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
         ok = sum(res)
@@ -256,7 +296,8 @@ class MaruStorage(HiCacheStorage):
         try:
             if target_location is None:
                 return None
-            ok = self.store.get_pieces(self._keys([key])[0], self._tensor_piece(target_location))
+            ok = self.store.batch_get_pieces([key], [self._tensor_piece(target_location)],
+                                             digests=self._digests([key]))[0]
             with self._lock:
                 self._stats["hits" if ok else "misses"] += 1
             return target_location if ok else None
@@ -277,7 +318,8 @@ class MaruStorage(HiCacheStorage):
             if value is None:
                 return False
             value = value.contiguous() if isinstance(value, torch.Tensor) else value
-            res = self.store.batch_put_pieces(self._keys([key]), [self._tensor_piece(value)], skip_existing=True)
+            res = self.store.batch_put_pieces([key], [self._tensor_piece(value)], skip_existing=True,
+                                              digests=self._digests([key]))
             return bool(res[0])
         except Exception as e:
             self._log_once("set", e)
@@ -293,7 +335,7 @@ class MaruStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         try:
-            return self.store.exists(self._keys([key])[0])
+            return self.store.batch_exists(digests=self._digests([key]))[0]
         except Exception as e:
             self._log_once("exists", e)
             return False
@@ -339,6 +381,7 @@ class MaruStorage(HiCacheStorage):
             self._log_once("get_stats", e)
             pool = {}
         mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
-                     "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes})
+                     "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes,
+                     "pools": hybrid.pool_stats(self)})
         m.maru = mine
         return m

@@ -8,6 +8,10 @@ Scenarios (all by default; pick with --only):
             classes simulated on the same sequence.
   ops       put/get operations per second for 4 KiB and 128 KiB values vs a
             plain memmove of the same bytes into a /dev/shm mapping.
+  hybrid    DeepSeek-V4-like requests (compressed KV at ratios 1/2/4/128, c4
+            indexer, SWA window, KV markers) through MaruStorage's v2 API at 3x
+            the pool size: live payload / file, vs fixed slots of the largest
+            page and power-of-two classes simulated on the same sequence.
 The machine is shared and noisy: timed figures are the median of --repeat
 runs, with the spread (min-max) printed next to them.
 """
@@ -177,6 +181,12 @@ def bench_lookup(args) -> dict:
     return {"scenario": "lookup", **lookup(args.repeat)}
 
 
+@scenario("hybrid")
+def bench_hybrid(args) -> dict:
+    from .bench_hybrid import hybrid
+    return {"scenario": "hybrid", **hybrid(args.pool_size)}
+
+
 def render(results: list[dict]) -> str:
     lines = []
     for r in results:
@@ -209,6 +219,16 @@ def render(results: list[dict]) -> str:
             for case in ("all_hits", "first_miss"):
                 lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "
                              f"vs HiCacheFile {r[case + '_file'] * 1e6:.1f} us -> x{r[case + '_ratio']:.1f}")
+        elif r["scenario"] == "hybrid":
+            pb = sorted(r["page_bytes"].values())
+            lines.append(f"hybrid    {len(pb)} pools, pages {format_size(pb[0])}-{format_size(pb[-1])} "
+                         f"(x{r['size_spread']:.0f}) at 3x {format_size(r['pool_bytes'])}: live/file (min over churn) "
+                         f"{r['ours']:.4f} vs fixed {format_size(r['fixed_slot_bytes'])} slots {r['fixed_slots']:.4f}, "
+                         f"power-of-two classes {r['pow2_classes']:.4f}; goal >= {r['goal']} "
+                         f"{'met' if r['met'] else 'MISSED'}")
+            lines.append(f"hybrid    payload still usable as hits (whole restorable prefixes) / file: "
+                         f"{r['usable_final']:.4f} vs fixed slots {r['fixed_slots_usable']:.4f}, power-of-two classes "
+                         f"{r['pow2_classes_usable']:.4f} (FIFO)")
     return "\n".join(lines)
 
 

@@ -208,3 +208,211 @@ def p2p_reader(pool: str, plan: dict, q) -> None:
             except Exception:
                 pass
         q.put(out)
+
+
+# --------------------------------------------------------------------------- hybrid models (HiCache v2 API)
+# Every pool below is a real SGLang host pool built over a real SGLang device pool on CPU:
+# MHATokenToKVPool / MLATokenToKVPool, MambaPool (Mamba2 state shapes), DeepSeekV4SingleKVPool (the V4
+# compressed KV and SWA pools) and LogicalHostPool (DeepSeek-V4's KV anchor, which holds no tensor).
+MAMBA_SHAPE = dict(intermediate_size=64, n_groups=1, num_heads=2, head_dim=16, state_size=16, conv_kernel=4)
+
+
+def make_mamba_host(slots: int = 8, *, layers: int = 2, layout: str = "page_first_direct", tp_size: int = 1,
+                    side_state: bool = False):
+    """A real MambaPoolHost (page_size 1: one state per slot) over a real CPU MambaPool.
+
+    side_state=True adds one slot side-state buffer (SGLang's extra_checkpoint_buffers, e.g. a PLE state
+    registered with MambaPool.register_slot_state): SGLang's get_page_buffer_meta refuses such a pool.
+    """
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    shape = Mamba2StateShape.create(tp_world_size=tp_size, **MAMBA_SHAPE)
+    ids = list(range(layers))
+    device = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=ids),
+                       mamba_layer_ids=ids, device="cpu")
+    info = device.get_device_pool_infos()[0].buffer_info
+    if side_state:
+        extra = torch.zeros((info.temporal.shape[1], 8), dtype=torch.float32)
+        info = MambaStateBufferInfo(temporal=info.temporal, conv=info.conv, extra_checkpoint_buffers=(extra,))
+    return MambaPoolHost(info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout)
+
+
+def make_v4_host(name: str, ratio: int, *, page_size: int = 256, pages: int = 8, layers: int = 2,
+                 layout: str = "page_first_direct"):
+    """A real DeepSeekV4PagedHostPool over a real CPU DeepSeekV4SingleKVPool.
+
+    ratio 1/2/4/128: a compressed KV pool (c1..c128) whose rows are page_size / ratio compressed tokens of
+    one FULL page (KV-derived sidecar: host indices are the FULL logical ones, slot_page_size = page_size).
+    name "swa": the sliding-window pool, with its own page of page_size tokens (pass ratio=1).
+    """
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+
+    rows = page_size // ratio
+    device = DeepSeekV4SingleKVPool(size=rows * 2, page_size=rows, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448,
+                                    qk_rope_head_dim=64, layer_num=layers, device="cpu", enable_memory_saver=False)
+    return DeepSeekV4PagedHostPool(pool_name=name, device_buffers=device.kv_buffer,
+                                   item_bytes=device.bytes_per_page_padded, num_host_pages=pages,
+                                   slot_page_size=page_size, layout=layout, device="cpu", pin_memory=False)
+
+
+def make_logical_anchor(page_size: int = 256, pages: int = 8, layout: str = "page_first_direct"):
+    """DeepSeek-V4's KV anchor: page-aligned logical slots, no KV tensor (kv_buffer None)."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    return LogicalHostPool(pages * page_size, page_size, layout=layout)
+
+
+def fill_random_pages(host, n_pages: int, seed: int) -> None:
+    """Random bytes in pages [0, n_pages) of any pool, written through its own get_page_buffer_meta."""
+    import random
+
+    rnd = random.Random(seed)
+    ptrs, sizes = host.get_page_buffer_meta(slot_indices(host, 0, n_pages))
+    for p, n in zip(ptrs, sizes):
+        ctypes.memmove(p, rnd.randbytes(n), n)
+
+
+def pool_page_bytes(host, indices, n: int) -> list[bytes]:
+    """Raw bytes of n pages at `indices` of any pool, through its own get_page_buffer_meta."""
+    ptrs, sizes = host.get_page_buffer_meta(indices)
+    per = len(ptrs) // n
+    return [b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per]))
+            for i in range(n)]
+
+
+def zero_pool_pages(host, indices, n: int) -> None:
+    ptrs, sizes = host.get_page_buffer_meta(indices)
+    for p, s in zip(ptrs, sizes):
+        ctypes.memset(p, 0, s)
+
+
+def slot_indices(host, first_page: int, n_pages: int):
+    """Host indices of n_pages pages of any pool (its page_size slots each), starting at page first_page."""
+    import torch
+
+    ps = int(getattr(host, "page_size", 1) or 1)
+    return torch.arange(first_page * ps, (first_page + n_pages) * ps, dtype=torch.int64)
+
+
+def attach_hybrid(backend, anchor, pools: dict):
+    """What HybridCacheController.attach_storage_backend does after the factory: the anchor through
+    register_mem_pool_host, every HostPoolGroup entry (the KV anchor included) through
+    register_mem_host_pool_v2, then on_host_pools_registered()."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    backend.register_mem_pool_host(anchor)
+    backend.register_mem_host_pool_v2(anchor, PoolName.KV)
+    for name, host in pools.items():
+        backend.register_mem_host_pool_v2(host, PoolName(name))
+    backend.on_host_pools_registered()
+    return backend
+
+
+def create_hybrid_maru(pool: str, anchor, pools: dict, *, mla: bool, size="64M", tp_rank: int = 0,
+                       tp_size: int = 1, model: str | None = None, maru: dict | None = None):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    cfg = storage_config(extra_config(pool, size, **(maru or {})), mla=mla, tp_rank=tp_rank, tp_size=tp_size,
+                         model=model)
+    backend = attach_hybrid(StorageBackendFactory.create_backend("dynamic", cfg, anchor), anchor, pools)
+    backend.test_config = cfg
+    return backend
+
+
+def create_hybrid_file(directory: str, anchor, pools: dict, *, mla: bool, tp_rank: int = 0, tp_size: int = 1,
+                       model: str | None = None):
+    """SGLang's own HiCacheFile ("file" backend, made by the same factory) on `directory`, same pools."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    os.makedirs(directory, exist_ok=True)
+    cfg = storage_config({"file_storage_path": directory}, mla=mla, tp_rank=tp_rank, tp_size=tp_size, model=model)
+    backend = attach_hybrid(StorageBackendFactory.create_backend("file", cfg, anchor), anchor, pools)
+    backend.test_config = cfg
+    return backend
+
+
+def controller_for(backend, group, cfg, *, zero_copy: bool):
+    """SGLang's HybridCacheController, with only the state its storage paths read.
+
+    A real controller needs CUDA streams, torch.distributed groups and device pools; the storage paths
+    used here (_storage_hit_query, _sync_prefetch_hit_query, _page_backup_with_stable_layout,
+    _page_transfer, _page_transfer_sidecar) read only the attributes set below, so the instance is made
+    with object.__new__ and those attributes: SGLang's own code then runs unchanged. The page get/set
+    functions are the ones attach_storage_backend selects: zero-copy v1 for "dynamic" with interface_v1,
+    the generic (get_data_page) ones for "file".
+    """
+    from queue import Queue
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    ctrl = object.__new__(HybridCacheController)
+    ctrl.storage_backend = backend
+    ctrl.storage_backend_type = "dynamic" if zero_copy else "file"
+    ctrl.mem_pool_host = group
+    ctrl.storage_host_pool = group.anchor_entry.host_pool
+    ctrl.page_size = group.anchor_entry.host_pool.page_size
+    ctrl.storage_config = cfg  # backup_skip is `not cfg.is_storage_writer`
+    ctrl.prefetch_hits_sync_groups = []
+    ctrl.prefetch_sync_queue = Queue()
+    ctrl.host_mem_release_queue = Queue()
+    ctrl.extra_host_mem_release_queues = {}
+    ctrl.page_get_func = ctrl._page_get_zero_copy if zero_copy else ctrl._generic_page_get
+    ctrl.page_set_func = ctrl._page_set_zero_copy if zero_copy else ctrl._generic_page_set
+    return ctrl
+
+
+def host_pool_group(anchor, pools: dict):
+    """A real HostPoolGroup: the anchor entry named kv, then one entry per pool."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    entries = [PoolEntry(name=PoolName.KV, host_pool=anchor, device_pool=None, layer_mapper=lambda i: i,
+                         is_primary_index_anchor=True)]
+    entries += [PoolEntry(name=PoolName(n), host_pool=h, device_pool=None, layer_mapper=lambda i: i)
+                for n, h in pools.items()]
+    return HostPoolGroup(entries)
+
+
+def make_dsa_indexer_host(anchor, *, layers: int = 2):
+    """A real DSAIndexerPoolHost (the DSA indexer keys riding on MLA KV pages) over a real CPU DSATokenToKVPool.
+
+    DSATokenToKVPool reads the attention-DCP width from SGLang's runtime context, which a scheduler
+    publishes; get_parallel().override (SGLang's own test injection primitive) states it here instead.
+    """
+    import torch
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.runtime_context import get_parallel
+
+    ps = anchor.page_size
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, attn_tp_size=1, attn_tp_rank=0):
+        device = DSATokenToKVPool(size=ps * 2, page_size=ps, kv_lora_rank=MLA_GEOMETRY["kv_lora_rank"],
+                                  dtype=torch.bfloat16, qk_rope_head_dim=MLA_GEOMETRY["qk_rope_head_dim"],
+                                  layer_num=layers, device="cpu", index_head_dim=128, enable_memory_saver=False,
+                                  kv_cache_dim=MLA_GEOMETRY["kv_lora_rank"] + MLA_GEOMETRY["qk_rope_head_dim"])
+        return DSAIndexerPoolHost(make_dsa_indexer_pool_decl(device), anchor, pin_memory=False, device="cpu")
+
+
+def delete_digest(store, digest) -> bool:
+    """Store.delete for a key known only by its digest (MaruStorage keys pages by namespaced digests, and
+    Store.delete hashes a key itself): the same steps, shard lock, index removal, block freed."""
+    from maru_shm.format import SHARD_LOCK_BASE
+
+    d = bytes(memoryview(digest).cast("B")) if not isinstance(digest, bytes) else digest
+    s = store.index.shard_of(d)
+    with store.locks.hold(SHARD_LOCK_BASE + s, repair=store._shard_repair(s)):
+        removed = store.index.remove(s, d)
+    if removed is None:
+        return False
+    store.alloc.free_blocks([(removed[1], removed[0])])
+    return True
+
+
+def digests_present(store, digests) -> list[bool]:
+    return store.resolve(digests).ok.tolist()
