@@ -21,6 +21,16 @@ import time
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
 
 
+def _page_keys(tag: str, n: int) -> list[str]:
+    """Keys as SGLang makes them: hex SHA-256 page-chain hashes."""
+    import hashlib
+    out, prev = [], tag.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev.hex())
+    return out
+
+
 def _median(xs):
     return statistics.median(xs), min(xs), max(xs)
 
@@ -136,7 +146,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
                          "memmove_get", "file_set", "file_get")}
     try:
         for rep in range(repeat + 1):  # first round warms up, not counted
-            keys = [f"{page_size}-{rep}-{i:058x}" for i in range(BATCH)]
+            keys = _page_keys(f"{page_size}-{rep}", BATCH)
             rows = []
             t0 = time.perf_counter()
             ok = maru.batch_set_v1(keys, src)
@@ -202,8 +212,8 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
     maru.register_mem_pool_host(host)
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
-    keys = [f"lookup-{i:058x}" for i in range(BATCH)]
-    miss_first = ["absent-key"] + keys[1:]
+    keys = _page_keys("lookup", BATCH)
+    miss_first = _page_keys("absent", 1) + keys[1:]
     try:
         assert all(maru.batch_set_v1(keys, src))
         assert hfile.batch_set(keys, [host.get_data_page(i) for i in range(BATCH)])
