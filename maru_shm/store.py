@@ -440,7 +440,13 @@ class Store:
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
         """How many keys from the start are present (with exactly `length` bytes, if given)."""
         self._check_open()
-        r = resolve(self, self._digest_batch(list(keys), digests), full=False)
+        darr = self._digest_batch(list(keys), digests)
+        if not len(darr):
+            return 0
+        first = self._lookup(darr[0].tobytes())  # prefixes often miss at once: skip the batch machinery
+        if first is None or (length is not None and first[2] != length):
+            return 0
+        r = resolve(self, darr, full=False)
         ok = r.ok if length is None else r.ok & (r.lengths == length)
         miss = np.flatnonzero(~ok)
         return int(miss[0]) if miss.size else int(ok.size)
@@ -482,33 +488,28 @@ class Store:
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
         """
         self._check_open()
-        mine: list[tuple[int, int]] = []  # (offset, word) of each block this call reserved or committed
+        mine: dict[int, int] = {}  # offset -> word of each block this call owns and has not published
         try:
             return self._put_many(keys, pieces_list, skip_existing, mine, digests)
         except BaseException:
             self._settle(mine)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
             raise
 
-    def _settle(self, mine: list[tuple[int, int]]) -> None:
-        """A put raised midway: disown its published blocks, free the ones it still owns (best effort)."""
+    def _settle(self, mine: dict[int, int]) -> None:
+        """A put raised midway: free the blocks it reserved or committed but did not publish (best effort)."""
         owner = self.slot + 1
         to_free = []
-        for off, word in mine:
+        for off, word in mine.items():
             m = self.alloc.meta_off(off)
-            w = U64.unpack_from(self.mm, m)[0]
-            if w != word or U16.unpack_from(self.mm, m + 28)[0] != owner:
-                continue  # not this lifetime of the block any more, or already settled
-            if w & 3 == LIVE and self.indexed_at(bytes(self.mm[m + 8:m + 24]), off, w):
-                U16.pack_into(self.mm, m + 28, 0)
-            else:
-                to_free.append((off, w))
+            if U64.unpack_from(self.mm, m)[0] == word and U16.unpack_from(self.mm, m + 28)[0] == owner:
+                to_free.append((off, word))  # still this lifetime and still ours: free it (word re-checked)
         try:
             self.alloc.free_blocks(to_free)
         except StoreError:
             pass  # still owned by this slot: close() or a reaper settles them
 
     def _put_many(self, keys: Sequence, pieces_list: Sequence[Pieces], skip_existing: bool,
-                  mine: list[tuple[int, int]], digests=None) -> list[bool]:
+                  mine: dict[int, int], digests=None) -> list[bool]:
         n = len(pieces_list)
         res = [False] * n
         darr = self._digest_batch(keys, digests)
@@ -533,7 +534,7 @@ class Store:
                 rest = idxs[len(offs):]
                 offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
             placed.extend(zip(idxs, offs))
-            mine.extend((off, U64.unpack_from(self.mm, self.alloc.meta_off(off))[0]) for off in offs)
+            mine.update((off, U64.unpack_from(self.mm, self.alloc.meta_off(off))[0]) for off in offs)
         # copy and commit, without locks
         committed = []
         data, data_end, mm = self._data, self.geo.data_bytes, self.mm
@@ -548,7 +549,7 @@ class Store:
             w = U64.unpack_from(mm, m)[0]
             live = (((w >> 2) + 1) << 2) | LIVE
             store_u64(mm, m, live)  # commit: lock-free, so one 8-byte store (see format.store_u64)
-            mine.append((off, live))
+            mine[off] = live
             committed.append((i, off, live, m))
         # publish, one shard lock per shard
         by_shard: dict[int, list] = {}
@@ -578,15 +579,19 @@ class Store:
                         if 0 <= voff < data_end:
                             evicted_bytes += int.from_bytes(mm[self.alloc.meta_off(voff) + 24:
                                                                self.alloc.meta_off(voff) + 28], "little")
+                    del mine[off]  # from here on, close() or a reaper settles it, never _settle
                     old = self.index.put(s, digests[i], live, off)
+                    # Disown it now, while SHARD[s] pins it: nobody can unpublish and free it before we
+                    # release the lock. Done after the lock (check, then clear), a replace + free +
+                    # re-reservation by another process could slip in between and we would wipe *their*
+                    # owner, making their in-flight block evictable under them.
+                    U16.pack_into(mm, m + 28, 0)
                     if old is not None:
                         to_free.append((old[1], old[0]))
                     res[i] = published[i] = True
         for i, off, live, m in committed:
             if not published[i]:
                 to_free.append((off, live))  # still owned by us until freed: a crash here is reaped
-            elif U64.unpack_from(mm, m)[0] == live:
-                U16.pack_into(mm, m + 28, 0)  # published: no longer this process's to settle
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)

@@ -1,0 +1,221 @@
+"""Shared fixtures for the maru_shm tests.
+
+- `pool_path`: a unique pool path under /dev/shm per test, removed afterwards.
+- `open_store`: opens a Store at `pool_path` (creating it) and closes it at teardown.
+- `make_value` / `check_value`: self-verifying values. A value carries the key's
+  digest, a version and its own length in a header and a body derived from
+  (key, version), so any bytes a read returns can be verified on their own: a
+  torn, shifted, foreign or stale-but-wrong buffer fails the check.
+- `children`: forks helper processes (plain os.fork, the child leaves with
+  os._exit) and SIGKILLs any that are still alive at teardown.
+- `assert_clean(store)`: reap dead processes, then check() must find nothing.
+- a collection hook that spreads the per-worker instances of the shared-pool
+  test over the xdist workers' first batches (see test_multiprocess.py).
+
+The helpers are plain functions too, so forked children can call them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import struct
+import time
+import traceback
+import uuid
+
+import pytest
+
+from maru_shm import Store
+
+_HEADER = struct.Struct("<16sQQ")  # key digest, version, total length
+HEADER_SIZE = _HEADER.size  # 32
+
+
+def _key_bytes(key) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+_PERIOD = 4093  # prime, so no block/granule/page-sized shift lines the pattern up with itself
+
+
+def make_value(key, version: int, size: int | None = None) -> bytes:
+    """A value for `key` at `version` of `size` bytes (default: derived from key and version, 32 B..64 KiB).
+
+    Header (key digest, version, length), then a pseudo-random pattern of prime period drawn from
+    (key, version): a torn mix of two versions, a shifted copy or another key's bytes all fail
+    `check_value`.
+    """
+    kd = hashlib.blake2b(_key_bytes(key), digest_size=16).digest()
+    pattern = hashlib.shake_128(kd + version.to_bytes(8, "little")).digest(_PERIOD)
+    if size is None:
+        size = HEADER_SIZE + int.from_bytes(pattern[:4], "little") % (64 << 10)
+    if size < HEADER_SIZE:
+        raise ValueError(f"a self-verifying value needs at least {HEADER_SIZE} bytes")
+    n = size - HEADER_SIZE
+    body = pattern * (n // _PERIOD + 1)
+    return b"".join((_HEADER.pack(kd, version, size), memoryview(body)[:n]))
+
+
+def value_version(key, data) -> int | None:
+    """The version `data` is a value of for `key`, or None if it is not an intact value of `key`."""
+    data = bytes(data)
+    if len(data) < HEADER_SIZE:
+        return None
+    kd, version, size = _HEADER.unpack_from(data)
+    if size != len(data) or kd != hashlib.blake2b(_key_bytes(key), digest_size=16).digest():
+        return None
+    return version if make_value(key, version, size) == data else None
+
+
+def check_value(key, data) -> bool:
+    """True if `data` is an intact value of `key` (any version)."""
+    return value_version(key, data) is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, put one instance of the shared-pool test at the head of every worker's first batch.
+
+    test_multiprocess.test_shared_pool_mixed_workload has one instance per worker and wants them all to
+    run at the same time on one pool. xdist's `load` scheduling hands each worker a first chunk of
+    consecutive items (round-robin single items when there are few), so the instances are spaced one
+    chunk apart. With any other order the test still passes; the workers just overlap less.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    shared = [it for it in items if getattr(it, "originalname", "") == "test_shared_pool_mixed_workload"]
+    if len(shared) < 2:
+        return
+    rest = [it for it in items if it not in shared]
+    total = len(items)
+    chunk = 1 if total < 2 * workers else max(2, total // workers // 4)
+    ordered = []
+    for it in shared:
+        ordered.append(it)
+        ordered.extend(rest[:chunk - 1])
+        rest = rest[chunk - 1:]
+    items[:] = ordered + rest
+
+
+@pytest.fixture
+def pool_path():
+    path = f"/dev/shm/maru-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    yield path
+    for p in (path, path + ".link"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def open_store(pool_path):
+    """open_store(size="16M", **kw) -> Store at pool_path (create=True); every Store opened is closed at teardown."""
+    opened = []
+
+    def _open(size=None, path=None, **kw):
+        kw.setdefault("create", True)
+        if size is None and kw["create"]:
+            size = "16M"
+        s = Store.open(path or pool_path, size, **kw)
+        opened.append(s)
+        return s
+
+    yield _open
+    for s in opened:
+        s.close()
+
+
+def assert_clean(store, reap: bool = True) -> None:
+    """check() finds nothing wrong. Dead processes are reaped first (reaping is lazy by design:
+    at attach and under allocation pressure), so a helper killed by the test is not a finding."""
+    if reap:
+        store.reap_dead()
+    report = store.check()
+    assert report.ok, report.problems
+
+
+@pytest.fixture(name="assert_clean")
+def _assert_clean_fixture():
+    return assert_clean
+
+
+@pytest.fixture(name="make_value")
+def _make_value_fixture():
+    return make_value
+
+
+@pytest.fixture(name="check_value")
+def _check_value_fixture():
+    return check_value
+
+
+class Children:
+    """Forked helper processes of one test; leftovers are SIGKILLed at teardown."""
+
+    def __init__(self, tmpdir):
+        self.pids: set[int] = set()
+        self.tmpdir = tmpdir
+
+    def fork(self, fn, *args) -> int:
+        """Run fn(*args) in a forked child; exit code 0 if it returned, 1 if it raised (traceback kept)."""
+        pid = os.fork()
+        if pid == 0:  # child: never return into pytest
+            code = 1
+            try:
+                fn(*args)
+                code = 0
+            except BaseException:
+                try:
+                    with open(os.path.join(self.tmpdir, f"child-{os.getpid()}.err"), "w") as f:
+                        f.write(traceback.format_exc())
+                except BaseException:
+                    pass
+            finally:
+                os._exit(code)
+        self.pids.add(pid)
+        return pid
+
+    def wait(self, pid: int, timeout: float = 60.0) -> int:
+        """Wait for a child; return its exit code (negative signal number if killed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                self.pids.discard(pid)
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"child {pid} did not finish within {timeout}s")
+            time.sleep(0.005)
+
+    def kill(self, pid: int) -> int:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.wait(pid)
+
+    def error(self, pid: int) -> str:
+        try:
+            with open(os.path.join(self.tmpdir, f"child-{pid}.err")) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def wait_ok(self, pid: int, timeout: float = 60.0) -> None:
+        code = self.wait(pid, timeout)
+        assert code == 0, f"child {pid} exited with {code}:\n{self.error(pid)}"
+
+    def cleanup(self) -> None:
+        for pid in list(self.pids):
+            self.kill(pid)
+
+
+@pytest.fixture
+def children(tmp_path):
+    c = Children(str(tmp_path))
+    yield c
+    c.cleanup()

@@ -1,0 +1,128 @@
+"""Slab allocator: capacity, eviction instead of failure, slabs moving between classes, mixed sizes.
+
+The figures (utilization) are printed (`-s`) and attached to the test report as user properties.
+"""
+
+from __future__ import annotations
+
+import random
+
+from maru_shm.allocator.classes import geometric_sizes
+
+from ...conftest import assert_clean, check_value, make_value
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _report(record_property, name, value):
+    record_property(name, round(value, 4))
+    print(f"\n{name} = {value:.4f}")
+
+
+def test_capacity_exact_class_fills_1gib(open_store, record_property):
+    """Llama-3.1-8B pages (128 KiB per token, page_size 1) with an exact class fill >= 97 % of the file."""
+    s = open_store("1G")
+    page = 128 * KiB
+    s.declare_size(page)
+    n = s.geo.data_bytes // page + 64  # more than fits: the last puts must evict, not fail
+    batch = 64
+    for start in range(0, n, batch):
+        keys = [f"page-{i}" for i in range(start, min(n, start + batch))]
+        assert all(s.batch_put(keys, [make_value(k, 1, page) for k in keys]))
+    st = s.stats()
+    _report(record_property, "capacity_utilization_128KiB_1GiB", st["utilization"])
+    assert st["utilization"] >= 0.97
+    assert st["evictions"] > 0
+    # the newest pages are all there, and they verify
+    for i in range(n - 100, n):
+        assert check_value(f"page-{i}", s.get(f"page-{i}"))
+    assert_clean(s)
+
+
+def test_full_pool_evicts_instead_of_failing(open_store):
+    s = open_store("16M")
+    rng = random.Random(7)
+    sizes = [5000, 12_000, 40_000, 130_000, 300_000]
+    written = n = 0
+    while written < 4 * s.geo.file_size:
+        size = rng.choice(sizes)
+        k = f"k{n}"
+        assert s.put(k, make_value(k, 1, size)), f"put {n} ({size} bytes) failed instead of evicting"
+        written += size
+        n += 1
+    st = s.stats()
+    assert st["evictions"] > 0 and st["put_failures"] == 0
+    for i in range(n - 5, n):  # approximately LRU: the newest entries survive
+        assert check_value(f"k{i}", s.get(f"k{i}"))
+    present = sum(s.batch_exists([f"k{i}" for i in range(n)]))
+    assert present == st["entries"]
+    assert_clean(s)
+
+
+def _churn(s, prefix, size, times):
+    n = int(times * s.geo.data_bytes // size)
+    for start in range(0, n, 32):
+        keys = [f"{prefix}{i}" for i in range(start, min(n, start + 32))]
+        assert all(s.batch_put(keys, [make_value(k, 1, size) for k in keys]))
+    return n
+
+
+def _live_fraction(s, size):
+    """Fraction of the data area holding live values of exactly `size` bytes."""
+    from maru_shm.inspect import class_table
+    rows = [r for r in class_table(s) if r["block_size"] == s.alloc.class_for(size).block]
+    return sum(r["live_bytes"] for r in rows) / s.geo.data_bytes
+
+
+def test_free_slabs_move_between_classes(open_store, record_property):
+    """No slab calcification: each size in turn gets nearly the whole pool."""
+    s = open_store("64M")
+    sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
+    small = next(b for b in sizes if b >= 20 * KiB)   # exact class sizes: no internal waste
+    large = next(b for b in sizes if b >= 200 * KiB)
+    for phase, size in enumerate([small, large, small]):
+        _churn(s, f"p{phase}-", size, 2.0)
+        frac = _live_fraction(s, size)
+        _report(record_property, f"phase{phase}_{size}B_live_fraction", frac)
+        assert frac >= 0.85, f"phase {phase}: {size}-byte values hold only {frac:.1%} of the data area"
+    assert s.stats()["slab_moves"] > 0
+    assert_clean(s)
+
+
+def test_emptied_class_gives_its_slabs_away(open_store):
+    s = open_store("64M")
+    sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
+    small = next(b for b in sizes if b >= 20 * KiB)
+    large = next(b for b in sizes if b >= 100 * KiB)
+    n = _churn(s, "a", small, 1.0)
+    for i in range(n):
+        s.delete(f"a{i}")
+    assert s.stats()["live_bytes"] == 0
+    _churn(s, "b", large, 1.2)
+    assert _live_fraction(s, large) >= 0.85
+    assert_clean(s)
+
+
+def test_mixed_sizes_keep_the_pool_full(open_store, record_property):
+    """Uniform 50-512 KiB payloads written at 3x the pool size: live payload / file stays >= 0.85."""
+    s = open_store("1G")
+    rng = random.Random(2024)
+    written, n, samples = 0, 0, []
+    while written < 3 * s.geo.file_size:
+        sizes = [rng.randint(50 * KiB, 512 * KiB) for _ in range(16)]
+        keys = [f"m{n + j}" for j in range(len(sizes))]
+        assert all(s.batch_put(keys, [make_value(k, 1, z) for k, z in zip(keys, sizes)]))
+        n += len(keys)
+        written += sum(sizes)
+        if written > 1.2 * s.geo.file_size and n % 256 == 0:
+            samples.append(s.stats()["utilization"])
+    st = s.stats()
+    _report(record_property, "mixed_50_512KiB_utilization_final", st["utilization"])
+    _report(record_property, "mixed_50_512KiB_utilization_min", min(samples))
+    _report(record_property, "mixed_50_512KiB_data_utilization", st["data_utilization"])
+    assert st["utilization"] >= 0.85
+    assert min(samples) >= 0.85
+    for k in rng.sample([f"m{i}" for i in range(n - 2000, n)], 200):
+        v = s.get(k)
+        assert v is None or check_value(k, v)
+    assert_clean(s)

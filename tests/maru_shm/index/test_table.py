@@ -1,0 +1,223 @@
+"""Open-addressing index: insert/replace/remove, backward-shift deletion, load limit, bounded probes, rebuild.
+
+Most tests drive `Index` directly over the index region of a planned pool laid out in a bytearray,
+with hand-made digests, so clusters, collisions and wrap-around happen on purpose.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from maru_shm.format import ENTRY_STRUCT, Geometry
+from maru_shm.index import Index, key_digest
+
+from ...conftest import assert_clean, check_value, make_value
+
+
+def make_index(shard_slots: int = 64, shards: int = 1) -> Index:
+    geo = Geometry.plan(4 << 20, index_shards=shards, index_slots=shard_slots * shards)
+    assert geo.shard_slots == shard_slots
+    return Index(bytearray(geo.off_blockmeta), geo)
+
+
+def dig(key_id: int, home: int, shard: int = 0) -> bytes:
+    """A digest with a chosen shard (low bits of bytes 0..8) and home slot (bytes 8..16)."""
+    return ((key_id << 16) | shard).to_bytes(8, "little") + home.to_bytes(8, "little")
+
+
+def assert_consistent(idx: Index, model: dict, shard: int = 0, absent=()):
+    for d, (word, off) in model.items():
+        assert idx.find(d) == (word, off)
+    for d in absent:
+        if d not in model:
+            assert idx.find(d) is None
+    entries = idx.entries(shard)
+    assert len(entries) == idx.count(shard) == len(model)
+    occupied = {pos for pos, *_ in entries}
+    for pos, d, word, off in entries:
+        assert model[d] == (word, off)
+        p = idx.home_of(d)
+        while p != pos:  # linear probing invariant: no hole between home and the entry
+            assert p in occupied, f"entry at {pos} unreachable: hole at {p}"
+            p = (p + 1) & idx.mask
+
+
+def test_insert_replace_remove():
+    idx = make_index()
+    a, b = dig(1, 5), dig(2, 5)
+    assert idx.put(0, a, 4, 100) is None
+    assert idx.put(0, b, 8, 200) is None  # collides, probes to slot 6
+    assert idx.find(a) == (4, 100) and idx.find(b) == (8, 200)
+    assert idx.put(0, a, 12, 300) == (4, 100)  # replace returns the old (word, offset)
+    assert idx.find(a) == (12, 300) and idx.count(0) == 2
+    assert idx.remove(0, a, offset=999) is None  # conditional remove: names another block
+    assert idx.remove(0, a, word=4) is None
+    assert idx.remove(0, a, offset=300, word=12) == (12, 300)
+    assert idx.find(a) is None and idx.find(b) == (8, 200)  # b shifted back to its home
+    assert idx.entries(0)[0][0] == 5
+    assert idx.remove(0, a) is None
+    assert idx.count(0) == 1
+
+
+def test_backward_shift_wraps_around():
+    idx = make_index(16)
+    model = {}
+    # a cluster starting at the last slot wraps to the front, interleaved with homes at 0 and 1
+    for j, home in enumerate([15, 15, 0, 15, 1, 0]):
+        d = dig(j, home)
+        idx.put(0, d, 4 * (j + 1), j)
+        model[d] = (4 * (j + 1), j)
+    assert_consistent(idx, model)
+    for d in list(model):
+        idx.remove(0, d)
+        del model[d]
+        assert_consistent(idx, model)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "put", "remove", "remove_cond"]), st.integers(0, 40),
+                          st.integers(0, 31)), min_size=1, max_size=200))
+def test_random_ops_against_a_dict_model(ops):
+    idx = make_index(32)
+    model: dict[bytes, tuple[int, int]] = {}
+    homes: dict[int, int] = {}
+    seen = set()
+    for n, (op, kid, home) in enumerate(ops):
+        home = homes.setdefault(kid, home)  # a key always has the same home
+        d = dig(kid, home)
+        seen.add(d)
+        if op == "put":
+            if d not in model and len(model) >= idx.limit:
+                continue  # the store evicts before it would go over 7/8
+            word, off = 4 * (n + 1) | 2, n * 4096
+            assert idx.put(0, d, word, off) == model.get(d)
+            model[d] = (word, off)
+        elif op == "remove":
+            assert idx.remove(0, d) == model.pop(d, None)
+        else:
+            cur = model.get(d)
+            if cur is not None and n % 2:
+                assert idx.remove(0, d, offset=cur[1] + 1) is None
+            else:
+                assert idx.remove(0, d, offset=cur[1] if cur else 0, word=cur[0] if cur else 0) == model.pop(d, None)
+        assert_consistent(idx, model, absent=seen)
+
+
+def test_randomized_long_run_many_shards():
+    rng = random.Random(5)
+    idx = make_index(64, shards=4)
+    model: dict[bytes, tuple[int, int]] = {}
+    keys = [dig(i, rng.randrange(64), shard=rng.randrange(4)) for i in range(400)]
+    for n in range(20_000):
+        d = rng.choice(keys)
+        s = idx.shard_of(d)
+        if rng.random() < 0.55:
+            if d not in model and idx.is_full(s):
+                continue
+            idx.put(s, d, 4 * n + 2, n)
+            model[d] = (4 * n + 2, n)
+        else:
+            assert idx.remove(s, d) == model.pop(d, None)
+    for s in range(4):
+        assert_consistent(idx, {d: v for d, v in model.items() if idx.shard_of(d) == s}, shard=s)
+
+
+def test_probe_loops_are_bounded_on_a_full_or_garbage_shard():
+    idx = make_index(32)
+    # a shard with no empty slot at all (corrupt: over the load limit), count field garbage
+    for pos in range(32):
+        ENTRY_STRUCT.pack_into(idx.mm, idx.entry_off(0, pos), dig(1000 + pos, pos), 6, 0)
+    idx.mm[idx.off_hdr:idx.off_hdr + 4] = (0xFFFFFFFF).to_bytes(4, "little")
+    missing = dig(1, 7)
+    assert idx.find(missing) is None
+    assert idx.remove(0, missing) is None
+    assert idx._find_pos(0, missing) == (None, None)
+    with pytest.raises(RuntimeError):
+        idx.put(0, missing, 6, 0)
+    assert idx.find(dig(1000 + 31, 31)) == (6, 0)
+    victim = idx.clock_victim(0, lambda off, clear=False: True)  # all referenced: falls back, terminates
+    assert victim is not None
+
+
+def test_clock_victim_prefers_unreferenced():
+    idx = make_index(32)
+    for j in range(10):
+        idx.put(0, dig(j, j), 4 * j + 2, j * 4096)
+    cold = {3 * 4096, 7 * 4096}
+    refs = {j * 4096: j * 4096 not in cold for j in range(10)}
+
+    def is_ref(off, clear=False):
+        r = refs[off]
+        if clear:
+            refs[off] = False
+        return r
+
+    first = idx.clock_victim(0, is_ref)
+    assert first[2] in cold
+
+
+def test_rebuild_drops_duplicates_and_invalid_entries():
+    idx = make_index(32)
+    model = {}
+    for j in range(12):
+        d = dig(j, j % 5)
+        idx.put(0, d, 4 * j + 2, j * 4096)
+        model[d] = (4 * j + 2, j * 4096)
+    # damage: a duplicate (a backward shift cut short) and an entry pointing nowhere
+    empty = [p for p in range(32) if p not in {pos for pos, *_ in idx.entries(0)}]
+    dup_src = idx.entries(0)[3]
+    ENTRY_STRUCT.pack_into(idx.mm, idx.entry_off(0, empty[0]), dup_src[1], dup_src[2], dup_src[3])
+    ENTRY_STRUCT.pack_into(idx.mm, idx.entry_off(0, empty[1]), dig(99, 1), 6, 1 << 60)
+    kept, dropped = idx.rebuild(0, lambda d, word, off: off < 1 << 40)
+    assert (kept, dropped) == (12, 2)
+    assert_consistent(idx, model)
+
+
+# ---------------------------------------------------------------- through the store
+
+def test_key_digest_str_and_bytes():
+    assert key_digest("abc") == key_digest(b"abc") and len(key_digest("abc")) == 16
+    assert key_digest("abc") != key_digest("abd")
+
+
+def test_store_keeps_shards_under_seven_eighths(open_store):
+    s = open_store("16M", index_shards=2, index_slots=64)
+    assert s.geo.shard_slots == 32 and s.index.limit == 28
+    n = 600
+    for i in range(n):
+        assert s.put(f"k{i}", make_value(f"k{i}", 1, 4096)), i
+        if i % 50 == 0:
+            assert all(s.index.count(sh) <= s.index.limit for sh in range(2))
+    st = s.stats()
+    assert st["entries"] <= 56 and st["load_factor"] <= 7 / 8
+    assert st["evictions"] >= n - 56
+    assert 1 <= st["probe_max"] <= s.geo.shard_slots
+    assert st["probe_mean"] >= 1
+    assert check_value(f"k{n - 1}", s.get(f"k{n - 1}"))
+    assert st["live_blocks"] == st["entries"]  # evicted entries' blocks were freed
+    assert_clean(s)
+
+
+def test_store_repairs_a_shard_left_with_duplicates(open_store):
+    """A dirty shard lock triggers the rebuild: duplicates and entries naming the wrong block are dropped."""
+    from maru_shm.format import LOCK_RECORD, SHARD_LOCK_BASE
+    s = open_store("16M", index_shards=1, index_slots=64)
+    keys = [f"k{i}" for i in range(20)]
+    assert all(s.batch_put(keys, [make_value(k, 1, 5000) for k in keys]))
+    idx = s.index
+    entries = idx.entries(0)
+    empty = [p for p in range(idx.slots) if p not in {pos for pos, *_ in entries}]
+    pos, d, word, off = entries[0]
+    ENTRY_STRUCT.pack_into(s.mm, idx.entry_off(0, empty[0]), d, word, off)  # duplicate
+    ENTRY_STRUCT.pack_into(s.mm, idx.entry_off(0, empty[1]), key_digest("ghost"), word, off)  # wrong block
+    LOCK_RECORD.pack_into(s.mm, s.geo.off_locks + SHARD_LOCK_BASE * LOCK_RECORD.size, 7, 0)  # as if a holder died
+    assert s.get("ghost") is None  # readers never trust an entry the block meta disagrees with
+    assert s.put("new", make_value("new", 1, 5000))  # next holder repairs first
+    for k in keys + ["new"]:
+        assert check_value(k, s.get(k))
+    assert len(idx.entries(0)) == idx.count(0) == 21
+    assert_clean(s)
+

@@ -1,0 +1,387 @@
+"""File format: geometry planning, superblock round trip, validation of what an opener finds."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+import zlib
+
+import pytest
+
+from maru_shm import (CorruptPoolError, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
+                      StoreError, TruncatedPoolError, VersionError)
+from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
+                             META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
+                             SUPERBLOCK_SIZE, U32, VERSION, Geometry)
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def regions(g: Geometry):
+    """(name, start, size) of every region, in file order."""
+    return [
+        ("superblock", 0, SUPERBLOCK_SIZE),
+        ("locks", g.off_locks, LOCK_IDS * LOCK_RECORD.size),
+        ("classes", g.off_classes, CLASS_CAP * CLASS_ENTRY),
+        ("procs", g.off_procs, g.proc_slots * PROC_ENTRY),
+        ("slabs", g.off_slabs, g.n_units * SLAB_ENTRY),
+        ("shards", g.off_shards, g.index_shards * SHARD_HEADER),
+        ("index", g.off_index, g.index_slots * ENTRY_SIZE),
+        ("blockmeta", g.off_blockmeta, g.n_granules * META_SIZE),
+        ("data", g.off_data, g.data_bytes),
+    ]
+
+
+# ---------------------------------------------------------------- geometry planning
+
+@pytest.mark.parametrize("size,kw", [
+    (2 * MiB, {}),
+    (16 * MiB, {}),
+    (100 * MiB + 12345, {}),
+    (1 * GiB, {}),
+    (64 * GiB, {}),
+    (256 * MiB, dict(granule=512, unit_size=128 << 10)),
+    (256 * MiB, dict(unit_size=2 * MiB, granule=8192, index_shards=8, proc_slots=2048)),
+    (512 * MiB, dict(data_align=2 * MiB)),  # DAX alignment
+    (300 * MiB, dict(index_slots=1 << 20, max_value=8 * GiB)),
+])
+def test_plan_regions_disjoint_aligned_and_inside_file(size, kw):
+    g = Geometry.plan(size, **kw)
+    g.validate()
+    end = 0
+    for name, start, length in regions(g):
+        assert start >= end, f"{name} at {start} overlaps the previous region ending at {end}"
+        assert start % 4096 == 0, f"{name} not page aligned"
+        end = start + length
+    assert end <= size, "regions extend past the file"
+    assert g.file_size == size
+    align = kw.get("data_align", g.unit_size)
+    assert g.off_data % align == 0 and g.off_data % g.unit_size == 0
+    assert g.data_bytes == g.n_units * g.unit_size
+    assert g.n_granules == g.data_bytes // g.granule
+    assert g.index_shards & (g.index_shards - 1) == 0 and g.shard_slots & (g.shard_slots - 1) == 0
+    assert g.granule <= g.max_value <= g.data_bytes
+    if size >= 256 * MiB:  # headers are small (block metas: 32 B per granule): the data area is nearly all
+        room = size - g.index_slots * ENTRY_SIZE
+        assert g.data_bytes >= 0.97 * room * g.granule / (g.granule + META_SIZE)
+
+
+def test_plan_uses_the_space_it_has():
+    """No extra unit would have fit: the tail after the data area is less than a unit plus its header."""
+    for size in (8 * MiB, 333 * MiB, 1 * GiB):
+        g = Geometry.plan(size)
+        per_unit = g.unit_size + SLAB_ENTRY + g.unit_size // g.granule * META_SIZE
+        slack = size - (g.off_data + g.data_bytes)
+        # alignment of the data area may cost up to one unit; the index may double once
+        assert slack < 2 * per_unit + g.index_slots * ENTRY_SIZE, (size, slack)
+
+
+@pytest.mark.parametrize("size,kw", [
+    (64 << 10, {}),  # cannot hold one unit plus header
+    (64 * MiB, dict(granule=3000)),
+    (64 * MiB, dict(granule=256)),
+    (64 * MiB, dict(unit_size=4096 * 512)),  # unit > 256 granules
+    (64 * MiB, dict(unit_size=3 << 20)),
+    (64 * MiB, dict(index_shards=24)),
+    (64 * MiB, dict(index_shards=1024)),
+    (64 * MiB, dict(proc_slots=0)),
+    (64 * MiB, dict(max_value=1024)),
+])
+def test_plan_rejects_impossible_shapes(size, kw):
+    with pytest.raises(ValueError):
+        Geometry.plan(size, **kw)
+
+
+def test_superblock_round_trip():
+    g = Geometry.plan(1 * GiB, flags=1)
+    sb = g.pack_superblock()
+    assert len(sb) == CHECKSUM_OFF + 4
+    assert sb[:8] == MAGIC and U32.unpack_from(sb, 8)[0] == VERSION
+    buf = bytearray(SUPERBLOCK_SIZE)
+    buf[:len(sb)] = sb
+    U32.pack_into(buf, STATE_OFF, STATE_READY)
+    assert Geometry.read(buf, g.file_size) == g
+    # the immutable part is exactly what the checksum covers
+    assert zlib.crc32(bytes(buf[:CHECKSUM_OFF])) == U32.unpack_from(buf, CHECKSUM_OFF)[0]
+
+
+def test_superblock_read_rejects_bad_headers():
+    g = Geometry.plan(64 * MiB)
+    good = bytearray(SUPERBLOCK_SIZE)
+    good[:CHECKSUM_OFF + 4] = g.pack_superblock()
+    U32.pack_into(good, STATE_OFF, STATE_READY)
+
+    with pytest.raises(NotAPoolError):
+        Geometry.read(good, 100)  # smaller than a header
+    bad = bytearray(good)
+    bad[:8] = b"NOTAPOOL"
+    with pytest.raises(NotAPoolError):
+        Geometry.read(bad, g.file_size)
+    bad = bytearray(good)
+    U32.pack_into(bad, 8, VERSION + 1)
+    with pytest.raises(VersionError):
+        Geometry.read(bad, g.file_size)
+    bad = bytearray(good)
+    bad[144] ^= 0xFF  # created_ns
+    with pytest.raises(CorruptPoolError):
+        Geometry.read(bad, g.file_size)
+    bad = bytearray(good)
+    U32.pack_into(bad, STATE_OFF, 0)
+    with pytest.raises(NotAPoolError):
+        Geometry.read(bad, g.file_size)
+    with pytest.raises(TruncatedPoolError):
+        Geometry.read(good, g.file_size - 1)
+
+
+def _resign(buf: bytearray) -> None:
+    U32.pack_into(buf, CHECKSUM_OFF, zlib.crc32(bytes(buf[:CHECKSUM_OFF])))
+
+
+@pytest.mark.parametrize("field_off,value", [
+    (24, 3000),        # granule not a power of two
+    (32, 1 << 30),     # n_units far beyond the file
+    (48, 3),           # index_shards not a power of two
+    (72, 0),           # off_locks overlapping the superblock
+    (128, 8192),       # off_data overlapping the header regions
+    (136, 12345),      # data_bytes inconsistent with n_units
+])
+def test_geometry_that_passes_the_checksum_is_still_validated(field_off, value):
+    """A header with a valid checksum but impossible geometry is a CorruptPoolError, never a crash later."""
+    g = Geometry.plan(64 * MiB)
+    buf = bytearray(SUPERBLOCK_SIZE)
+    buf[:CHECKSUM_OFF + 4] = g.pack_superblock()
+    U32.pack_into(buf, STATE_OFF, STATE_READY)
+    fmt = "<Q" if field_off >= 56 else "<I"
+    struct.pack_into(fmt, buf, field_off, value)
+    _resign(buf)
+    with pytest.raises(CorruptPoolError):
+        Geometry.read(buf, g.file_size)
+
+
+# ---------------------------------------------------------------- opening existing files
+
+def _patch(path: str, off: int, data: bytes) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def closed_pool(pool_path):
+    with Store.open(pool_path, "8M", create=True) as s:
+        assert s.put("k", b"v" * 100)
+    return pool_path
+
+
+def test_reopen_sees_the_same_pool(closed_pool):
+    with Store.open(closed_pool) as s:
+        assert not s.created
+        assert s.get("k") == b"v" * 100
+    with Store.open(closed_pool, "8M", create=True) as s:  # create=True on a ready pool just opens it
+        assert not s.created
+        assert s.get("k") == b"v" * 100
+
+
+def test_wrong_magic_is_not_a_pool(closed_pool):
+    _patch(closed_pool, 0, b"NOTAPOOL")
+    with pytest.raises(NotAPoolError):
+        Store.open(closed_pool)
+    with pytest.raises(NotAPoolError):  # and create=True refuses to overwrite it
+        Store.open(closed_pool, "8M", create=True)
+
+
+def test_foreign_file_is_not_a_pool(pool_path):
+    with open(pool_path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+    with pytest.raises(NotAPoolError):
+        Store.open(pool_path, "1M", create=True)
+    assert os.path.getsize(pool_path) == 1 << 20  # untouched
+
+
+def test_wrong_version(closed_pool):
+    _patch(closed_pool, 8, U32.pack(VERSION + 1))
+    with pytest.raises(VersionError):
+        Store.open(closed_pool)
+
+
+def test_bad_checksum(closed_pool):
+    _patch(closed_pool, 160, b"\xff")  # inside pool_uuid, covered by the checksum
+    with pytest.raises(CorruptPoolError):
+        Store.open(closed_pool)
+
+
+def test_truncated_file(closed_pool):
+    os.truncate(closed_pool, os.path.getsize(closed_pool) - (1 << 20))
+    with pytest.raises(TruncatedPoolError):
+        Store.open(closed_pool)
+    with pytest.raises(TruncatedPoolError):
+        Store.open(closed_pool, create=True)
+
+
+def test_size_mismatch_on_reopen(closed_pool):
+    with pytest.raises(SizeMismatchError):
+        Store.open(closed_pool, "16M")
+    with pytest.raises(SizeMismatchError):
+        Store.open(closed_pool, "16M", create=True)
+
+
+def test_missing_file_without_create(pool_path):
+    with pytest.raises(StoreError):
+        Store.open(pool_path)
+    assert not os.path.exists(pool_path)
+
+
+def test_every_error_is_a_store_error():
+    for cls in (NotAPoolError, VersionError, CorruptPoolError, TruncatedPoolError, SizeMismatchError,
+                PermissionDeniedError):
+        assert issubclass(cls, StoreError)
+
+
+# ---------------------------------------------------------------- permissions
+
+def test_symlink_refused(closed_pool):
+    link = closed_pool + ".link"
+    os.symlink(closed_pool, link)
+    with pytest.raises(PermissionDeniedError):
+        Store.open(link)
+    with pytest.raises(PermissionDeniedError):
+        Store.open(link, "8M", create=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_foreign_owner_refused_unless_allowed(closed_pool):
+    os.chown(closed_pool, 4242, -1)
+    with pytest.raises(PermissionDeniedError):
+        Store.open(closed_pool)
+    with Store.open(closed_pool, allow_foreign_owner=True) as s:
+        assert s.get("k") == b"v" * 100
+
+
+def test_default_mode_is_0600(pool_path):
+    old = os.umask(0o022)
+    try:
+        with Store.open(pool_path, "4M", create=True):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o600
+
+
+def test_group_mode_honoured_despite_umask(pool_path):
+    old = os.umask(0o027)  # would narrow 0o660 to 0o640
+    try:
+        with Store.open(pool_path, "4M", create=True, mode=0o660):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o660
+
+
+# ---------------------------------------------------------------- racing creators
+
+def _racing_creator(path, size, go_fd, out_fd):
+    os.read(go_fd, 1)  # barrier: the parent releases every child at once
+    s = Store.open(path, size, create=True)
+    os.write(out_fd, bytes([1 if s.created else 0]) + s.geo.pool_uuid)
+    s.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_racing_creators_make_one_pool(pool_path, children, n):
+    for attempt in range(5):
+        path = f"{pool_path}-{attempt}"
+        try:
+            go_r, go_w = os.pipe()
+            out_r, out_w = os.pipe()
+            pids = [children.fork(_racing_creator, path, "8M", go_r, out_w) for _ in range(n)]
+            os.close(out_w)
+            time.sleep(0.05)
+            os.write(go_w, b"x" * n)
+            for pid in pids:
+                children.wait_ok(pid)
+            raw = b""
+            while chunk := os.read(out_r, 4096):
+                raw += chunk
+            for fd in (go_r, go_w, out_r):
+                os.close(fd)
+            results = [raw[i:i + 17] for i in range(0, len(raw), 17)]
+            assert len(results) == n
+            assert sum(r[0] for r in results) == 1, "exactly one process must report created"
+            assert len({r[1:] for r in results}) == 1, "every process must see the same pool"
+            with Store.open(path) as s:
+                assert s.geo.pool_uuid == results[0][1:]
+                assert s.check().ok
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+# ---------------------------------------------------------------- unfinished files
+
+def test_empty_file_is_initialised_by_create(pool_path):
+    open(pool_path, "wb").close()
+    with pytest.raises(NotAPoolError):
+        Store.open(pool_path, timeout=0.2)  # waits briefly for a creator, then gives up
+    with Store.open(pool_path, "8M", create=True) as s:
+        assert s.geo.file_size == 8 << 20
+        assert s.put("k", b"v")
+
+
+def test_creator_that_died_midway_is_redone(closed_pool):
+    """magic written, state never set to ready (creator killed): create=True initialises it again."""
+    _patch(closed_pool, STATE_OFF, U32.pack(0))
+    with pytest.raises(NotAPoolError):
+        Store.open(closed_pool, timeout=0.2)
+    with Store.open(closed_pool, "8M", create=True) as s:
+        assert s.get("k") is None  # a fresh pool
+        assert s.put("k", b"w")
+        assert s.check().ok
+
+
+# ---------------------------------------------------------------- word stores
+
+def _flip_words(path, off, a, b, go_fd):
+    from maru_shm.format import store_u64
+    import mmap as _mmap
+    fd = os.open(path, os.O_RDWR)
+    mm = _mmap.mmap(fd, 4096)
+    os.write(go_fd, b"1")
+    while True:
+        store_u64(mm, off, a)
+        store_u64(mm, off, b)
+
+
+def test_word_store_is_never_seen_torn_by_another_process(pool_path, children):
+    """Lock-free readers (and lock holders reading a lock-free commit) must see the old or the new word.
+
+    struct.pack_into zero-fills before writing, which another process can observe as 0 (= FREE):
+    every block meta / index word goes through format.store_u64 instead.
+    """
+    from maru_shm.format import U64, store_u64
+    import mmap as _mmap
+    with open(pool_path, "wb") as f:
+        f.write(bytes(4096))
+    a, b = (0x0102030405060708 << 2) | 1, (0x0102030405060709 << 2) | 2  # RESERVED -> LIVE, as a commit
+    fd = os.open(pool_path, os.O_RDWR)
+    mm = _mmap.mmap(fd, 4096)
+    store_u64(mm, 64, a)
+    r, w = os.pipe()
+    pid = children.fork(_flip_words, pool_path, 64, a, b, w)
+    assert os.read(r, 1) == b"1"
+    seen = set()
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        for _ in range(1000):
+            seen.add(U64.unpack_from(mm, 64)[0])
+    children.kill(pid)
+    mm.close()
+    for x in (fd, r, w):
+        os.close(x)
+    assert seen <= {a, b}, sorted(hex(x) for x in seen - {a, b})[:5]

@@ -1,0 +1,353 @@
+"""Locks: timeouts against stopped or busy holders, and repair of what a killed holder left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from maru_shm import LockTimeout, Store, StoreError
+from maru_shm.format import (CLASS_LOCK_BASE, LOCK_INIT, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE,
+                             SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
+from maru_shm.index import key_digest
+
+from ..conftest import assert_clean
+
+TIMEOUT = 0.3
+BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
+
+
+def _hold_lock(path, lock_id, ready_fd, stop: bool):
+    """Child: attach, take one lock, tell the parent, then SIGSTOP itself or just sit on the lock."""
+    s = Store.open(path)
+    s.locks.acquire(lock_id)
+    os.write(ready_fd, b"1")
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    while True:
+        time.sleep(1)
+
+
+def _hold_section(path, lock_id, ready_fd, damage):
+    """Child: enter a lock's critical section (dirty set), damage its domain, tell the parent, wait to die."""
+    s = Store.open(path)
+    with s.locks.hold(lock_id):
+        if damage is not None:
+            damage(s)
+        os.write(ready_fd, b"1")
+        while True:
+            time.sleep(1)
+
+
+def _start(children, fn, path, lock_id, extra):
+    """Fork fn(path, lock_id, ready_fd, extra) and wait until it is inside its lock."""
+    r, w = os.pipe()
+    pid = children.fork(fn, path, lock_id, w, extra)
+    os.close(w)
+    assert os.read(r, 1) == b"1", f"child failed before taking the lock:\n{children.error(pid)}"
+    os.close(r)
+    return pid
+
+
+def _keys_in_other_shards(store, key, n=3):
+    s = store.index.shard_of(key_digest(key))
+    out = []
+    i = 0
+    while len(out) < n:
+        k = f"other-{i}"
+        if store.index.shard_of(key_digest(k)) != s:
+            out.append(k)
+        i += 1
+    return out
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    with pytest.raises(LockTimeout) as exc:
+        fn(*args)
+    return time.monotonic() - t0, exc.value
+
+
+# ---------------------------------------------------------------- timeouts
+
+@pytest.mark.parametrize("stop", [True, False], ids=["sigstopped", "busy"])
+def test_shard_lock_timeout_other_shards_usable(open_store, pool_path, children, make_value, check_value, stop):
+    s = open_store("8M", timeout=TIMEOUT)
+    assert s.put("victim", make_value("victim", 1))
+    shard = s.index.shard_of(key_digest("victim"))
+    pid = _start(children, _hold_lock, pool_path, SHARD_LOCK_BASE + shard, stop)
+
+    elapsed, err = _timed(s.put, "victim", make_value("victim", 2))
+    assert elapsed < BOUND
+    assert "SHARD" in str(err)
+    elapsed, _ = _timed(s.delete, "victim")
+    assert elapsed < BOUND
+    # reads take no lock: the committed value is still served
+    assert s.get("victim") == make_value("victim", 1)
+    for k in _keys_in_other_shards(s, "victim"):
+        assert s.put(k, make_value(k, 1))
+        assert check_value(k, s.get(k))
+        assert s.delete(k)
+    assert s.stats()["lock_timeouts"] >= 2
+
+    children.kill(pid)
+    assert s.put("victim", make_value("victim", 3))  # the kernel released the lock; dirty gets repaired
+    assert s.get("victim") == make_value("victim", 3)
+    assert_clean(s)
+
+
+def test_class_lock_timeout_other_classes_usable(open_store, pool_path, children, make_value):
+    s = open_store("8M", timeout=TIMEOUT)
+    small, big = 5000, 100_000
+    cid = s.alloc.class_for(small).cid
+    assert s.alloc.class_for(big).cid != cid
+    pid = _start(children, _hold_lock, pool_path, CLASS_LOCK_BASE + cid, True)
+    elapsed, err = _timed(s.put, "small", make_value("small", 1, small))
+    assert elapsed < BOUND and "CLASS" in str(err)
+    assert s.put("big", make_value("big", 1, big))
+    assert s.get("big") == make_value("big", 1, big)
+    children.kill(pid)
+    assert s.put("small", make_value("small", 1, small))
+    assert_clean(s)
+
+
+def test_init_lock_timeout_on_open(open_store, pool_path, children):
+    open_store("8M").close()
+    pid = _start(children, _hold_lock, pool_path, LOCK_INIT, True)
+    t0 = time.monotonic()
+    with pytest.raises(LockTimeout):
+        Store.open(pool_path, timeout=TIMEOUT)
+    assert time.monotonic() - t0 < BOUND
+    children.kill(pid)
+    with Store.open(pool_path, timeout=TIMEOUT) as s:
+        assert_clean(s)
+
+
+def test_threads_of_one_process_exclude_each_other(open_store):
+    """OFD locks do not exclude threads sharing a descriptor; the per-id thread lock must."""
+    s = open_store("4M")
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with s.locks.hold(LOCK_POOL):
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout):
+            s.locks.acquire(LOCK_POOL, timeout=TIMEOUT)
+        assert time.monotonic() - t0 < BOUND
+        assert s.locks.acquire(LOCK_POOL, blocking=False) is None
+    finally:
+        release.set()
+        t.join()
+    assert s.locks.acquire(LOCK_POOL, timeout=TIMEOUT) is False  # clean: released normally
+    s.locks.release(LOCK_POOL)
+
+
+def test_put_that_times_out_leaves_no_block_behind(open_store, pool_path, children, make_value):
+    """Invariant 2: a put that fails on a lock must not leave its block allocated (nor owned) forever."""
+    keeper = open_store("8M", timeout=TIMEOUT)  # slot 0, stays attached
+    writer = open_store(path=pool_path, create=False, timeout=TIMEOUT)
+    shard = writer.index.shard_of(key_digest("k"))
+    pid = _start(children, _hold_lock, pool_path, SHARD_LOCK_BASE + shard, True)
+    with pytest.raises(LockTimeout):
+        writer.put("k", make_value("k", 1, 20_000))
+    assert keeper.stats()["live_blocks"] == 0  # the writer settled its block when the put failed
+    children.kill(pid)
+    assert writer.put("k", make_value("k", 2, 20_000))
+    writer.close()
+    assert keeper.get("k") == make_value("k", 2, 20_000)
+    assert keeper.delete("k")
+    assert_clean(keeper)
+    assert keeper.stats()["live_blocks"] == 0
+
+
+def test_close_settles_blocks_it_still_owns(open_store, pool_path, make_value):
+    """What a failed put may leave owned at close is settled then, as reaping settles a dead slot."""
+    keeper = open_store("8M")
+    writer = open_store(path=pool_path, create=False)
+    info = writer.alloc.class_for(20_000)
+    offs = writer.alloc.allocate(info, [(key_digest("x"), 20_000), (key_digest("y"), 20_000)], writer.slot + 1)
+    assert len(offs) == 2
+    writer.close()
+    assert_clean(keeper)
+    assert keeper.stats()["live_blocks"] == 0
+    # the slot is reused by the next process: nothing may look owned by it
+    again = open_store(path=pool_path, create=False)
+    assert again.slot == 1
+    assert again._owned_blocks(again.slot) == []
+
+
+# ---------------------------------------------------------------- dirty records and repair
+
+def test_repair_runs_in_next_holder_after_sigkill(open_store, pool_path, children):
+    s = open_store("4M")
+    lock_id = SHARD_LOCK_BASE + 3
+    pid = _start(children, _hold_section, pool_path, lock_id, None)
+    rec = s.geo.off_locks + lock_id * LOCK_RECORD.size
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0  # dirty while inside
+    assert children.kill(pid) == -signal.SIGKILL
+    calls = []
+    with s.locks.hold(lock_id, repair=lambda: calls.append(1)) as dirty:
+        assert dirty is True
+    assert calls == [1]
+    with s.locks.hold(lock_id, repair=lambda: calls.append(2)) as dirty:
+        assert dirty is False
+    assert calls == [1]
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] == 0
+
+
+def test_exception_inside_section_leaves_it_dirty(open_store):
+    s = open_store("4M")
+    with pytest.raises(ZeroDivisionError):
+        with s.locks.hold(LOCK_POOL):
+            1 / 0
+    calls = []
+    with s.locks.hold(LOCK_POOL, repair=lambda: calls.append(1)):
+        pass
+    assert calls == [1]
+
+
+def _fill(s, make_value, prefix, n, size):
+    keys = [f"{prefix}{i}" for i in range(n)]
+    assert all(s.batch_put(keys, [make_value(k, 1, size) for k in keys]))
+    return keys
+
+
+def _damage_class(cid):
+    def damage(s):
+        # wreck every derived field of the class: bitmaps say free, counts and partial list are garbage
+        for h in s.alloc.class_slabs(cid):
+            so = s.alloc._slab(h)
+            s.mm[so + SLAB_BITMAP:so + SLAB_BITMAP + 32] = bytes(32)
+            U32.pack_into(s.mm, so + SLAB_NFREE, 9999)
+        U32.pack_into(s.mm, s.alloc._cls_off(cid) + CLS_PARTIAL, 0)
+    return damage
+
+
+def test_killed_class_holder_is_repaired_before_reuse(open_store, pool_path, children, make_value, check_value):
+    s = open_store("16M")
+    size = 9000
+    keys = _fill(s, make_value, "a", 40, size)
+    cid = s.alloc.class_for(size).cid
+    pid = _start(children, _hold_section, pool_path, CLASS_LOCK_BASE + cid, _damage_class(cid))
+    children.kill(pid)
+    # Without repair the zeroed bitmaps would hand out blocks that hold live values.
+    new = _fill(s, make_value, "b", 40, size)
+    for k in keys + new:
+        assert check_value(k, s.get(k)), k
+    assert_clean(s)
+
+
+def _damage_shard(key):
+    def damage(s):
+        # a backward shift cut short: the entry of `key` copied into the next empty slot of its cluster
+        idx = s.index
+        d = key_digest(key)
+        shard = idx.shard_of(d)
+        found, pos = idx._find_pos(shard, d)
+        assert found is not None
+        for step in range(1, idx.slots):
+            p = (pos + step) & idx.mask
+            dst = idx.entry_off(shard, p)
+            if U64.unpack_from(s.mm, dst + 16)[0] == 0:
+                src = idx.entry_off(shard, pos)
+                s.mm[dst:dst + ENTRY_SIZE] = s.mm[src:src + ENTRY_SIZE]
+                return
+        raise AssertionError("shard has no empty slot")
+    return damage
+
+
+def test_killed_shard_holder_is_repaired_before_reuse(open_store, pool_path, children, make_value, check_value):
+    s = open_store("16M")
+    keys = _fill(s, make_value, "k", 50, 5000)
+    shard = s.index.shard_of(key_digest(keys[0]))
+    pid = _start(children, _hold_section, pool_path, SHARD_LOCK_BASE + shard, _damage_shard(keys[0]))
+    children.kill(pid)
+    problems = s.check().problems  # a duplicate entry, as a crash mid-shift leaves it
+    assert any("duplicate" in p for p in problems), problems
+    assert s.delete(keys[0])  # next holder repairs, then deletes: the key must be gone for good
+    assert s.get(keys[0]) is None and not s.exists(keys[0])
+    for k in keys[1:]:
+        assert check_value(k, s.get(k)), k
+    assert_clean(s)
+
+
+def _damage_pool(s):
+    # slab formatting cut short: every TAIL entry lost
+    for u in range(s.geo.n_units):
+        o = s.alloc._slab(u)
+        if U32.unpack_from(s.mm, o)[0] == UNIT_TAIL:
+            U32.pack_into(s.mm, o, UNIT_FREE)
+
+
+def test_killed_pool_holder_is_repaired_before_reuse(open_store, pool_path, children, make_value, check_value):
+    s = open_store("32M")
+    classes = [c for c in s.alloc.classes if c is not None]
+    # a class whose slabs span several units, so there are TAIL entries to lose, and a one-unit class
+    multi = next(c for c in classes if c.k > 1)
+    single = next(c for c in classes if c.k == 1 and c.block != multi.block)
+    keys = _fill(s, make_value, "t", 3 * multi.bps, multi.block)
+    pid = _start(children, _hold_section, pool_path, LOCK_POOL, _damage_pool)
+    children.kill(pid)
+    problems = s.check().problems
+    assert any("tail" in p for p in problems), problems
+    # needs new slabs: takes POOL and repairs first; else it would format slabs over the lost tails
+    other = _fill(s, make_value, "u", 4 * single.bps, single.block)
+    for k in keys + other:
+        assert check_value(k, s.get(k)), k
+    assert_clean(s)
+
+
+def _attach_and_die(path, lock_id, ready_fd, extra):
+    s = Store.open(path)
+    assert s.put("dying", b"d" * 5000)
+    info = s.alloc.class_for(9000)
+    s.alloc.allocate(info, [(key_digest("never-published"), 9000)], s.slot + 1)  # reserved, never committed
+    os.write(ready_fd, b"1")
+    while True:
+        time.sleep(1)
+
+
+def test_check_repair_reaps_a_killed_process(open_store, pool_path, children):
+    s = open_store("8M")
+    pid = _start(children, _attach_and_die, pool_path, 0, None)
+    children.kill(pid)
+    assert s.stats()["processes"] == 2  # reaping is lazy: nobody attached or ran short of space yet
+    problems = s.check().problems
+    assert any("dead" in p for p in problems), problems
+    report = s.check(repair=True)
+    assert report.ok, report.problems
+    assert s.check().ok
+    st = s.stats()
+    assert st["processes"] == 1
+    assert st["live_blocks"] == 1 and s.get("dying") == b"d" * 5000  # its published value stays
+
+
+def _attach_only(path, lock_id, ready_fd, extra):
+    Store.open(path)
+    os.write(ready_fd, b"1")
+    while True:
+        time.sleep(1)
+
+
+def test_full_process_table_of_dead_processes_is_reaped_on_attach(open_store, pool_path, children):
+    open_store("4M", proc_slots=2).close()
+    pids = [_start(children, _attach_only, pool_path, 0, None) for _ in range(2)]
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(StoreError, match="process table"):
+        Store.open(pool_path)  # both slots taken by live processes: a clear error, nothing leaked
+    assert len(os.listdir("/proc/self/fd")) == fds
+    for pid in pids:
+        children.kill(pid)
+    s = open_store(path=pool_path, create=False)  # both holders died: their slots must be reclaimed
+    assert s.stats()["processes"] == 1
+    assert_clean(s)

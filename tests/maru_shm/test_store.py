@@ -1,0 +1,256 @@
+"""The public Store API, single process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from maru_shm import PoolClosedError, Store, ValueTooLargeError
+from maru_shm.format import ENTRY_STRUCT
+from maru_shm.index import key_digest
+
+from ..conftest import assert_clean, check_value, make_value
+
+STATS_KEYS = {"entries", "live_bytes", "file_bytes", "data_bytes", "evictions", "hits", "misses",
+              "load_factor", "probe_mean", "probe_max"}
+
+
+@pytest.fixture
+def store(open_store):
+    return open_store("16M")
+
+
+def pieces_of(arrays):
+    return [(a.ctypes.data, a.nbytes) for a in arrays]
+
+
+def test_put_get_round_trip(store):
+    v = make_value("a", 1, 10_000)
+    assert store.put("a", v)
+    assert store.get("a") == v
+    assert store.get(b"a") == v  # str and bytes keys are the same key
+    assert store.length_of("a") == len(v)
+    assert store.get("missing") is None
+    assert store.length_of("missing") is None
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "numpy"])
+def test_put_accepts_any_contiguous_buffer(store, kind):
+    v = make_value("k", 1, 7777)
+    src = {"bytes": v, "bytearray": bytearray(v), "memoryview": memoryview(v),
+           "numpy": np.frombuffer(v, dtype=np.uint8).copy()}[kind]
+    assert store.put("k", src)
+    assert store.get("k") == v
+
+
+def test_empty_and_tiny_values(store):
+    assert store.put("empty", b"")
+    assert store.get("empty") == b""
+    assert store.exists("empty")
+    assert store.put("one", b"x")
+    assert store.get("one") == b"x"
+
+
+def test_overwrite_replaces_and_frees(store):
+    for version, size in enumerate([5000, 200_000, 5000, 64, 5000]):
+        v = make_value("k", version, max(size, 32))
+        assert store.put("k", v)
+        assert store.get("k") == v
+    st = store.stats()
+    assert st["entries"] == 1 and st["live_blocks"] == 1
+    assert_clean(store)
+
+
+def test_get_into(store):
+    v = make_value("k", 1, 3000)
+    store.put("k", v)
+    buf = bytearray(4096)
+    assert store.get_into("k", buf) == 3000
+    assert bytes(buf[:3000]) == v
+    exact = np.zeros(3000, dtype=np.uint8)
+    assert store.get_into("k", exact) == 3000 and exact.tobytes() == v
+    small = bytearray(b"\xee" * 2999)
+    assert store.get_into("k", small) is None
+    assert small == bytearray(b"\xee" * 2999)  # untouched
+    assert store.get_into("missing", buf) is None
+    with pytest.raises(TypeError):
+        store.get_into("k", bytes(4096))  # read-only destination
+
+
+def test_exists_and_delete(store):
+    store.put("k", b"v" * 100)
+    assert store.exists("k") and store.batch_exists(["k", "x", "k"]) == [True, False, True]
+    assert store.delete("k") is True
+    assert store.delete("k") is False
+    assert not store.exists("k") and store.get("k") is None
+    assert store.stats()["live_blocks"] == 0
+    assert_clean(store)
+
+
+def test_batch_put_and_get(store):
+    keys = [f"k{i}" for i in range(50)]
+    values = [make_value(k, 1) for k in keys]
+    assert store.batch_put(keys, values) == [True] * 50
+    outs = [bytearray(len(v)) for v in values]
+    assert store.batch_get_into(keys, outs) == [len(v) for v in values]
+    assert all(bytes(o) == v for o, v in zip(outs, values))
+    res = store.batch_get_into(["k0", "nope", "k1"], [bytearray(1 << 17), bytearray(8), bytearray(3)])
+    assert res[0] == len(values[0]) and res[1] is None and res[2] is None
+    assert store.batch_exists(keys + ["nope"]) == [True] * 50 + [False]
+
+
+def test_batch_put_skip_existing(store):
+    assert store.put("old", make_value("old", 1, 1000))
+    res = store.batch_put(["old", "new"], [make_value("old", 2, 1000), make_value("new", 2, 1000)],
+                          skip_existing=True)
+    assert res == [True, True]
+    assert store.get("old") == make_value("old", 1, 1000)  # kept
+    assert store.get("new") == make_value("new", 2, 1000)
+    res = store.batch_put(["old"], [make_value("old", 3, 1000)])  # default overwrites
+    assert res == [True] and store.get("old") == make_value("old", 3, 1000)
+
+
+def test_batch_put_same_key_twice(store):
+    assert store.batch_put(["d", "d"], [make_value("d", 1, 900), make_value("d", 2, 900)]) == [True, True]
+    assert store.get("d") == make_value("d", 2, 900)
+    assert store.stats()["live_blocks"] == 1
+    assert_clean(store)
+
+
+def test_put_pieces_get_pieces(store):
+    v = make_value("p", 1, 3 * 4096 + 100)
+    parts = [np.frombuffer(v[:4096], np.uint8), np.frombuffer(v[4096:4096 * 3], np.uint8),
+             np.frombuffer(v[4096 * 3:], np.uint8)]
+    assert store.put_pieces("p", pieces_of(parts))
+    assert store.get("p") == v
+    dst = [np.zeros(1000, np.uint8), np.zeros(len(v) - 1000, np.uint8)]
+    assert store.get_pieces("p", pieces_of(dst)) is True
+    assert dst[0].tobytes() + dst[1].tobytes() == v
+
+
+@pytest.mark.parametrize("delta", [-1, +1, -100, +4096])
+def test_get_pieces_needs_the_exact_length(store, delta):
+    v = make_value("p", 1, 10_000)
+    store.put("p", v)
+    dst = [np.full(5000, 0xAB, np.uint8), np.full(5000 + delta, 0xAB, np.uint8)]
+    assert store.get_pieces("p", pieces_of(dst)) is False
+    assert (dst[0] == 0xAB).all() and (dst[1] == 0xAB).all()  # nothing copied
+    assert store.get_pieces("missing", pieces_of(dst)) is False
+    assert store.batch_get_pieces(["p", "p"], [pieces_of(dst), [(dst[0].ctypes.data, 5000)] * 2]) == [False, True]
+
+
+def test_value_too_large(open_store):
+    s = open_store("16M", max_value="1M")
+    assert s.max_value == 1 << 20
+    assert s.put("max", b"m" * (1 << 20))
+    assert s.get("max") == b"m" * (1 << 20)
+    with pytest.raises(ValueTooLargeError):
+        s.put("big", b"b" * ((1 << 20) + 1))
+    assert s.get("big") is None
+    # the batch path reports it per key instead of raising
+    assert s.batch_put(["big", "ok"], [b"b" * ((1 << 20) + 1), b"ok"]) == [False, True]
+    assert_clean(s)
+
+
+def test_stats_keys_and_counts(store):
+    st = store.stats()
+    assert STATS_KEYS <= st.keys()
+    assert st["entries"] == 0 and st["live_bytes"] == 0
+    assert st["file_bytes"] == 16 << 20 and 0 < st["data_bytes"] < st["file_bytes"]
+    store.put("a", b"x" * 5000)
+    store.put("b", b"y" * 3000)
+    store.get("a")
+    store.get("zzz")
+    store.get_into("b", bytearray(3000))
+    st = store.stats()
+    assert st["entries"] == 2 and st["live_bytes"] == 8000
+    assert st["hits"] == 2 and st["misses"] == 1
+    assert 0 < st["load_factor"] < 1 and st["probe_mean"] >= 1 and st["probe_max"] >= 1
+    assert st["evictions"] == 0
+
+
+def test_check_clean_after_mixed_use(store):
+    for i in range(300):
+        k = f"k{i % 70}"
+        store.put(k, make_value(k, i, 100 + (i * 7919) % 60_000))
+        if i % 7 == 0:
+            store.delete(f"k{(i * 3) % 70}")
+    report = store.check()
+    assert report.ok, report.problems
+    assert report.checked_entries == store.stats()["entries"]
+    report = store.check(repair=True)
+    assert report.ok and store.check().ok
+
+
+def test_values_survive_reopen(pool_path):
+    with Store.open(pool_path, "8M", create=True) as s:
+        s.put("k", make_value("k", 4, 2000))
+    with Store.open(pool_path) as s:
+        assert s.get("k") == make_value("k", 4, 2000)
+        assert s.stats()["processes"] == 1
+
+
+def test_closed_store_refuses_everything(open_store):
+    s = open_store("4M")
+    s.put("k", b"v")
+    s.close()
+    s.close()  # idempotent
+    calls = [lambda: s.put("k", b"v"), lambda: s.get("k"), lambda: s.get_into("k", bytearray(8)),
+             lambda: s.exists("k"), lambda: s.delete("k"), lambda: s.batch_put(["k"], [b"v"]),
+             lambda: s.batch_get_into(["k"], [bytearray(8)]), lambda: s.batch_exists(["k"]),
+             lambda: s.put_pieces("k", []), lambda: s.get_pieces("k", []), lambda: s.stats(),
+             lambda: s.check(), lambda: s.declare_size(8192)]
+    for call in calls:
+        with pytest.raises(PoolClosedError):
+            call()
+
+
+def test_detached_process_leaves_the_table(pool_path):
+    with Store.open(pool_path, "8M", create=True) as a:
+        with Store.open(pool_path) as b:
+            assert a.stats()["processes"] == 2
+            b.put("x", b"1" * 10)
+        st = a.stats()
+        assert st["processes"] == 1
+        assert st["puts"] >= 1  # a detached process's counters are kept (retired)
+
+
+# ---------------------------------------------------------------- untrusted input (invariant 4)
+
+def test_index_entry_not_naming_a_block_start_is_a_miss(store):
+    """An entry whose offset is moved inside the block must not serve shifted bytes."""
+    v = make_value("k", 1, 12_000)
+    store.put("k", v)
+    d = key_digest("k")
+    s = store.index.shard_of(d)
+    found, pos = store.index._find_pos(s, d)
+    word, off = found
+    ENTRY_STRUCT.pack_into(store.mm, store.index.entry_off(s, pos), d, word, off + 64)
+    got = store.get("k")
+    assert got is None or check_value("k", got)
+    assert store.get_into("k", bytearray(20_000)) is None
+
+
+@pytest.mark.parametrize("offset", [-1 & (2**64 - 1), 1 << 62, None])
+def test_index_entry_outside_the_data_area_is_a_miss(store, offset):
+    store.put("k", make_value("k", 1, 5000))
+    d = key_digest("k")
+    s = store.index.shard_of(d)
+    found, pos = store.index._find_pos(s, d)
+    off = store.geo.data_bytes - 1 if offset is None else offset
+    ENTRY_STRUCT.pack_into(store.mm, store.index.entry_off(s, pos), d, found[0], off)
+    assert store.get("k") is None and not store.exists("k")
+    report = store.check()
+    assert not report.ok
+    assert store.check(repair=True).ok
+    assert store.check().ok
+    assert store.put("k", make_value("k", 2, 5000)) and check_value("k", store.get("k"))
+
+
+def test_block_meta_length_beyond_the_block_is_a_miss(store):
+    store.put("k", make_value("k", 1, 5000))
+    off = store.index.find(key_digest("k"))[1]
+    m = store.alloc.meta_off(off)
+    store.mm[m + 24:m + 28] = (store.geo.data_bytes).to_bytes(4, "little")  # runs past the data area
+    assert store.get("k") is None
+    assert store.get_into("k", bytearray(1 << 24)) is None
