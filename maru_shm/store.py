@@ -573,6 +573,7 @@ class Store:
                         if victim is None:
                             break
                         vd, vword, voff = victim
+                        self._claim_for_free(voff, vword)
                         self.index.remove(s, vd)
                         to_free.append((voff, vword))
                         evicted += 1
@@ -580,6 +581,9 @@ class Store:
                             evicted_bytes += int.from_bytes(mm[self.alloc.meta_off(voff) + 24:
                                                                self.alloc.meta_off(voff) + 28], "little")
                     del mine[off]  # from here on, close() or a reaper settles it, never _settle
+                    cur = self.index.find(digests[i])
+                    if cur is not None:
+                        self._claim_for_free(cur[1], cur[0])
                     old = self.index.put(s, digests[i], live, off)
                     # Disown it now, while SHARD[s] pins it: nobody can unpublish and free it before we
                     # release the lock. Done after the lock (check, then clear), a replace + free +
@@ -600,12 +604,26 @@ class Store:
         self.flush_counters()
         return res
 
+    def _claim_for_free(self, offset: int, word: int) -> None:
+        """SHARD lock held, entry about to be removed: mark its block ours until we free it.
+
+        Between unpublishing (shard lock) and freeing (class lock) the block is then
+        owned by a live process, not an orphan; if we die there, reaping frees it.
+        """
+        if 0 <= offset < self.geo.data_bytes:
+            m = self.alloc.meta_off(offset)
+            if U64.unpack_from(self.mm, m)[0] == word:
+                self.mm[m + 28:m + 30] = (self.slot + 1).to_bytes(2, "little")
+
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
         self._check_open()
         d = key_digest(key)
         s = self.index.shard_of(d)
         with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
+            cur = self.index.find(d)
+            if cur is not None:
+                self._claim_for_free(cur[1], cur[0])
             removed = self.index.remove(s, d)
         if removed is None:
             return False

@@ -10,7 +10,8 @@ can be checked on its own: a wrong, torn, shifted or foreign value is counted as
     verify every indexed value.
 (c) `test_readers_racing_writers`: readers of a few hot keys that writers overwrite, delete and evict.
 (d) `test_every_crash_point_is_recovered`: a process dies at each crash point of FORMAT.md section 9.
-Also: threads sharing one Store, and check() of a pool in use (a known false report, xfail).
+Also: threads sharing one Store, and check() of a pool in use (no false orphans: an unpublishing
+writer owns the block until it frees it).
 
 Soak knobs: MARU_SHM_STORM_SECONDS (default 4) and MARU_SHM_STORM_POOL (default 16M) lengthen or
 tighten the storm, e.g. `MARU_SHM_STORM_SECONDS=60 MARU_SHM_STORM_POOL=6M pytest -k storm`.
@@ -512,13 +513,6 @@ def _busy_writer(path, board, r):
             i += 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "check() of a live pool reports false orphans: delete/overwrite unpublish a block under SHARD[s] and "
-    "free it under CLASS[c] afterwards; check() holds every CLASS lock before the SHARD locks, so a writer "
-    "parked between the two leaves a LIVE, unowned, unindexed block that check() reports as an orphan. "
-    "Possible fix: the unpublishing writer sets the block's owner to its own slot under SHARD[s] before "
-    "removing the entry (a crash there is then settled by reaping like any owned block)."),
-    raises=AssertionError)
 def test_check_of_a_pool_in_use_reports_no_false_problems(pool_path, children):
     board = Board(2)
     with Store.open(pool_path, "16M", create=True, timeout=20) as s:
