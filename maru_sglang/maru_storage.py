@@ -73,10 +73,7 @@ class MaruStorage(HiCacheStorage):
         c = self.config
         try:
             if os.path.exists(c.path):
-                try:
-                    store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
-                except StoreError:
-                    raise
+                store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
             else:
                 try:
                     store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode)

@@ -13,10 +13,10 @@ import dataclasses
 
 import numpy as np
 
-from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, ENTRY_STRUCT, FREE, LIVE, LOCK_CLASSTAB,
-                     LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED,
+from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, LOCK_CLASSTAB,
+                     LOCK_POOL, META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED,
                      SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NEXT, SLAB_NFREE, UNIT_FREE, UNIT_HEAD,
-                     UNIT_TAIL, U32, U64, store_u64)
+                     UNIT_TAIL, U32, store_u64)
 from .locks import lock_name
 
 
@@ -252,4 +252,3 @@ def _check(store, report: CheckReport, progress) -> None:
             report.problem(f"process slot {slot}: process {PROC_HEAD.unpack_from(mm, g.off_procs + slot * PROC_ENTRY)[1]}"
                            " is dead and not yet reaped")
     del words
-    _ = (LOCK_IDS, LOCK_RECORD, ENTRY_STRUCT)

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .errors import NotAPoolError, PermissionDeniedError, StoreError
+from .errors import NotAPoolError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
                      KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
                      LOCK_RECORD, MAX_BLOCKS_PER_SLAB, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
@@ -63,18 +63,9 @@ class PoolView:
     @classmethod
     def open(cls, path) -> "PoolView":
         """Map the pool at `path` read-only; raise a StoreError subclass naming the problem."""
-        from .poolfile import dax_size, side_lock_path
+        from .poolfile import dax_size, open_existing, side_lock_path
         path = os.fspath(path)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise StoreError(f"{path} does not exist") from None
-        except OSError as e:
-            if os.path.islink(path):
-                raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
-            if e.errno in (1, 13):
-                raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
-            raise StoreError(f"cannot open {path}: {e.strerror}") from None
+        fd = open_existing(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fds = [fd]
         mm = None
         try:

@@ -77,11 +77,16 @@ def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
             return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
         except FileExistsError:
             pass
+    return open_existing(path, flags, missing_hint="; create it with Store.open(path, size=..., create=True) "
+                                                   "or `maru-shm create`"), False
+
+
+def open_existing(path: str, flags: int, missing_hint: str = "") -> int:
+    """os.open of an existing pool, turning OS errors into StoreError subclasses that name the problem."""
     try:
-        return os.open(path, flags), False
+        return os.open(path, flags)
     except FileNotFoundError:
-        raise StoreError(f"{path} does not exist; create it with Store.open(path, size=..., create=True) "
-                         "or `maru-shm create`") from None
+        raise StoreError(f"{path} does not exist{missing_hint}") from None
     except OSError as e:
         if os.path.islink(path):
             raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
@@ -210,7 +215,8 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
             CLASS_STRUCT.pack_into(mm, geo.off_classes + cid * CLASS_ENTRY, KIND_GEOMETRIC, k, bsize, n, 0, 0, 0, 0)
         mm[0:8] = MAGIC
         U32.pack_into(mm, STATE_OFF, STATE_READY)
-        mm.flush() if is_device else None
+        if is_device:
+            mm.flush()
     finally:
         mm.close()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 from typing import Iterable, Sequence
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .format import (COUNTER_NAMES, COUNTERS, FREE, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
+from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, store_u64)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
@@ -418,14 +417,21 @@ class Store:
     def get(self, key) -> bytes | None:
         """The value of `key`, or None."""
         self._check_open()
-        for _ in range(3):
-            found = self._lookup(key_digest(key))
+        d = key_digest(key)
+        for _ in range(3):  # a concurrent overwrite may move the key: retry briefly
+            found = self._lookup(d)
             if found is None:
                 break
             buf = bytearray(found[2])
-            if self.get_into(key, buf) == found[2]:
+            addr, _, keep = _buffer_address(buf, writable=True)
+            if self._copy_out(found, [(addr, found[2])]):
+                del keep
+                self.count(hits=1, bytes_read=found[2])
+                self.flush_counters()
                 return bytes(buf)
+            del keep
         self.count(misses=1)
+        self.flush_counters()
         return None
 
     def exists(self, key) -> bool:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, U64, Geometry, store_u64)
+from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 
 
-from .digest import key_digest, prefixed_digests  # noqa: E402,F401  (re-exported)
 
 
 class Index:
