@@ -20,6 +20,8 @@ import struct
 import threading
 import time
 
+import numpy as np
+
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                      LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
@@ -42,14 +44,17 @@ def lock_name(lock_id: int) -> str:
     return f"LOCK[{lock_id}]"
 
 
-def _flock(kind: int, lock_id: int) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, 1, 0)
+def _flock(kind: int, lock_id: int, n: int = 1) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, n, 0)
 
 
-def ofd_trylock(fd: int, lock_id: int) -> bool:
-    """Take one OFD lock without waiting; False if another description holds it."""
+def ofd_trylock(fd: int, lock_id: int, n: int = 1) -> bool:
+    """Take OFD locks lock_id .. lock_id+n-1 without waiting, all or none (one fcntl call).
+
+    False if another description holds any of them.
+    """
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_WRLCK, lock_id))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_WRLCK, lock_id, n))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
@@ -57,8 +62,19 @@ def ofd_trylock(fd: int, lock_id: int) -> bool:
         raise
 
 
-def ofd_unlock(fd: int, lock_id: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_UNLCK, lock_id))
+def ofd_unlock(fd: int, lock_id: int, n: int = 1) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_UNLCK, lock_id, n))
+
+
+def _runs(ids) -> list[tuple[int, int]]:
+    """Sorted distinct lock ids as (first, count) runs of consecutive ids."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return [(a, n) for a, n in runs]
 
 
 def ofd_is_held(fd: int, lock_id: int) -> bool:
@@ -101,28 +117,37 @@ class LockTable:
             self.timeouts += 1
             raise LockTimeout(self._timeout_message(lock_id, timeout))
         try:
-            delay = 20e-6
-            while not ofd_trylock(self.fd, lock_id):
-                if not blocking:
-                    tl.release()
-                    return None
-                now = time.monotonic()
-                if now >= deadline:
-                    self.timeouts += 1
-                    raise LockTimeout(self._timeout_message(lock_id, timeout))
-                time.sleep(min(delay, deadline - now))
-                delay = min(delay * 2, 2e-3)
+            if not self._take_ofd(lock_id, 1, deadline, timeout, blocking):
+                tl.release()
+                return None
         except BaseException:
             if tl.locked():
                 tl.release()
             raise
-        dirty = False
-        if lock_id < LOCK_IDS:
-            off = self.off_records + lock_id * LOCK_RECORD.size
-            holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
-            dirty = holder != 0
-            LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
-        return dirty
+        return self._mark(lock_id)
+
+    def _take_ofd(self, lock_id: int, n: int, deadline: float, timeout: float, blocking: bool = True) -> bool:
+        """OFD-lock ids lock_id .. lock_id+n-1 (all or none per attempt), polling with backoff."""
+        delay = 20e-6
+        while not ofd_trylock(self.fd, lock_id, n):
+            if not blocking:
+                return False
+            now = time.monotonic()
+            if now >= deadline:
+                self.timeouts += 1
+                raise LockTimeout(self._timeout_message(lock_id, timeout))
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 2e-3)
+        return True
+
+    def _mark(self, lock_id: int) -> bool:
+        """Just acquired: note whether the last holder left the section dirty, then mark it ours."""
+        if lock_id >= LOCK_IDS:
+            return False
+        off = self.off_records + lock_id * LOCK_RECORD.size
+        holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
+        LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
+        return holder != 0
 
     def release(self, lock_id: int, *, clean: bool = True) -> None:
         """Release; with clean=False the dirty mark stays so the next holder repairs."""
@@ -130,6 +155,67 @@ class LockTable:
             LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
         ofd_unlock(self.fd, lock_id)
         self._tlock(lock_id).release()
+
+    def acquire_many(self, lock_ids, timeout: float | None = None) -> list[int]:
+        """Take several locks of one family in ascending id order; return the ids left dirty.
+
+        Runs of consecutive ids are taken with one fcntl call each (all or none),
+        so a batch touching most index shards pays a handful of system calls,
+        not two per shard. Ascending order is the lock order between ids of a
+        family, so two batch holders never deadlock. All or nothing: on a
+        timeout every lock already taken is released (clean: nothing was done
+        under them yet) and LockTimeout propagates.
+        """
+        ids = sorted(set(lock_ids))
+        if ids and (ids[0] < 0 or ids[-1] >= LOCK_IDS):
+            raise ValueError("acquire_many takes lock ids that have records")
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        taken_t: list[threading.Lock] = []
+        taken_runs: list[tuple[int, int]] = []
+        try:
+            for i in ids:
+                tl = self._threads.get(i) or self._tlock(i)
+                if not tl.acquire(False) and not tl.acquire(True, max(0.0, deadline - time.monotonic())):
+                    self.timeouts += 1
+                    raise LockTimeout(self._timeout_message(i, timeout))
+                taken_t.append(tl)
+            for first, n in _runs(ids):
+                self._take_ofd(first, n, deadline, timeout)
+                taken_runs.append((first, n))
+        except BaseException:
+            for first, n in taken_runs:
+                ofd_unlock(self.fd, first, n)
+            for tl in taken_t:
+                tl.release()
+            raise
+        idx = np.asarray(ids, dtype=np.int64)
+        recs = self._records()
+        dirty = idx[recs[idx, 0] != 0].tolist()
+        recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
+        recs[idx, 1] = 0
+        return dirty
+
+    def _records(self) -> np.ndarray:
+        """All lock records as an (ids, 2) u32 array of (dirty, op) over the mapping (batch paths)."""
+        return np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=self.mm, offset=self.off_records)
+
+    def release_many(self, lock_ids, *, clean: bool = True) -> None:
+        """Release locks taken by acquire_many; with clean=False their dirty marks stay."""
+        ids = sorted(set(lock_ids))
+        if clean:
+            self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+        for first, n in _runs(ids):
+            ofd_unlock(self.fd, first, n)
+        for i in ids:
+            self._threads[i].release()
+
+    def hold_many(self, lock_ids, repair_for=None, timeout: float | None = None) -> "_HeldMany":
+        """Context manager over acquire_many: `repair_for(id)` runs for each id left dirty, then release_many.
+
+        An exception inside the block leaves every dirty mark set, as a crash would.
+        """
+        return _HeldMany(self, lock_ids, repair_for, timeout)
 
     def hold(self, lock_id: int, repair=None, timeout: float | None = None) -> "_Held":
         """Context manager: acquire, run `repair()` if the last holder died inside, release.
@@ -167,4 +253,29 @@ class _Held:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.table.release(self.lock_id, clean=exc_type is None)
+        return False
+
+
+class _HeldMany:
+    """The critical section of LockTable.hold_many: several locks of one family, taken together."""
+
+    __slots__ = ("table", "lock_ids", "repair_for", "timeout")
+
+    def __init__(self, table: LockTable, lock_ids, repair_for, timeout):
+        self.table, self.repair_for, self.timeout = table, repair_for, timeout
+        self.lock_ids = sorted(set(lock_ids))
+
+    def __enter__(self) -> list[int]:
+        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout)
+        if dirty and self.repair_for is not None:
+            try:
+                for i in dirty:
+                    self.repair_for(i)
+            except BaseException:
+                self.table.release_many(self.lock_ids, clean=False)
+                raise
+        return dirty
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.table.release_many(self.lock_ids, clean=exc_type is None)
         return False

@@ -18,7 +18,7 @@ import numpy as np
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, store_u64)
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
@@ -289,6 +289,15 @@ class Store:
         with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
             return self.index.remove(s, d, offset=offset, word=word) is not None
 
+    def unpublish_many(self, items) -> list[bool]:
+        """Remove the index entries of (digest, offset, word) items that name these blocks, in one round
+        of their shard locks (taken together, ascending); per item True if it did."""
+        index = self.index
+        shards = [index.shard_of(d) for d, _, _ in items]
+        with self.locks.hold_many([SHARD_LOCK_BASE + s for s in set(shards)], repair_for=self._repair_shard_lock):
+            return [index.remove(s, d, offset=off, word=word) is not None
+                    for s, (d, off, word) in zip(shards, items)]
+
     def indexed_at(self, d: bytes, offset: int, word: int) -> bool:
         return self.index.find(d) == (word, offset)
 
@@ -516,99 +525,140 @@ class Store:
 
     def _put_many(self, keys: Sequence, pieces_list: Sequence[Pieces], skip_existing: bool,
                   mine: dict[int, int], digests=None) -> list[bool]:
+        """Reserve (class locks), copy and commit (no lock), publish (the batch's shard locks, taken together).
+
+        Per-key Python is the cost on small pages, so every step that can be is
+        one numpy operation over the batch: bounds checks, the commit of all
+        block words (each an aligned 8-byte store, FORMAT.md section 8), the
+        disown of all published blocks.
+        """
         n = len(pieces_list)
         res = [False] * n
         darr = self._digest_batch(keys, digests)
         flat = darr.tobytes()
         digests = [flat[i:i + 16] for i in range(0, 16 * n, 16)]
         lengths = [sum([p[1] for p in pieces]) for pieces in pieces_list]
-        present = resolve(self, darr, full=False).ok.tolist() if skip_existing else [False] * n
+        present = resolve(self, darr, full=False).ok.tolist() if skip_existing else None
         groups: dict[int, tuple] = {}
+        class_of: dict[int, object] = {}  # one class lookup per distinct length
+        max_value = self.geo.max_value
         for i in range(n):
-            if present[i]:
+            if present is not None and present[i]:
                 res[i] = True
                 continue
-            info = self.alloc.class_for(lengths[i]) if lengths[i] <= self.geo.max_value else None
-            if info is None:
-                continue
-            groups.setdefault(info.cid, (info, []))[1].append(i)
+            length = lengths[i]
+            info = class_of.get(length, False)
+            if info is False:
+                info = class_of[length] = self.alloc.class_for(length) if length <= max_value else None
+            if info is not None:
+                groups.setdefault(info.cid, (info, []))[1].append(i)
         owner = self.slot + 1
-        placed: list[tuple[int, int]] = []
+        placed_i: list[int] = []
+        placed_off: list[int] = []
         for info, idxs in groups.values():
             offs = self.alloc.allocate(info, [(digests[i], lengths[i]) for i in idxs], owner)
             if len(offs) < len(idxs) and self.reap_dead(under_pressure=True):
                 rest = idxs[len(offs):]
                 offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
-            placed.extend(zip(idxs, offs))
-            mine.update((off, U64.unpack_from(self.mm, self.alloc.meta_off(off))[0]) for off in offs)
-        # copy and commit, without locks
-        committed = []
-        data, data_end, mm = self._data, self.geo.data_bytes, self.mm
-        for i, off in placed:
-            if off + lengths[i] > data_end:
-                raise StoreError("internal error: block outside the data area")
-            dst = data + off
-            for addr, nb in pieces_list[i]:
-                ctypes.memmove(dst, addr, nb)
-                dst += nb
-            m = self.alloc.meta_off(off)
-            w = U64.unpack_from(mm, m)[0]
-            live = (((w >> 2) + 1) << 2) | LIVE
-            store_u64(mm, m, live)  # commit: lock-free, so one 8-byte store (see format.store_u64)
-            mine[off] = live
-            committed.append((i, off, live, m))
-        # publish, one shard lock per shard
-        by_shard: dict[int, list] = {}
-        for item in committed:
-            by_shard.setdefault(self.index.shard_of(digests[item[0]]), []).append(item)
+            placed_i += idxs[:len(offs)]
+            placed_off += offs
+        published: list[bool] = []
         to_free: list[tuple[int, int]] = []
-        published = [False] * n
         evicted = evicted_bytes = 0
-        for s, items in by_shard.items():
-            with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
-                for i, off, live, m in items:
-                    if U64.unpack_from(mm, m)[0] != live:
-                        continue
-                    if skip_existing:
-                        cur = self.index.find(digests[i])
-                        if cur is not None and self._entry_valid(digests[i], cur[0], cur[1]):
-                            res[i] = True  # someone published it first: theirs stays, ours is spare
-                            continue
-                    while self.index.is_full(s):
-                        victim = self.index.clock_victim(s, self.alloc.is_referenced)
-                        if victim is None:
-                            break
-                        vd, vword, voff = victim
-                        self._claim_for_free(voff, vword)
-                        self.index.remove(s, vd)
-                        to_free.append((voff, vword))
-                        evicted += 1
-                        if 0 <= voff < data_end:
-                            evicted_bytes += int.from_bytes(mm[self.alloc.meta_off(voff) + 24:
-                                                               self.alloc.meta_off(voff) + 28], "little")
-                    del mine[off]  # from here on, close() or a reaper settles it, never _settle
-                    cur = self.index.find(digests[i])
-                    if cur is not None:
-                        self._claim_for_free(cur[1], cur[0])
-                    old = self.index.put(s, digests[i], live, off)
-                    # Disown it now, while SHARD[s] pins it: nobody can unpublish and free it before we
-                    # release the lock. Done after the lock (check, then clear), a replace + free +
-                    # re-reservation by another process could slip in between and we would wipe *their*
-                    # owner, making their in-flight block evictable under them.
-                    U16.pack_into(mm, m + 28, 0)
-                    if old is not None:
-                        to_free.append((old[1], old[0]))
-                    res[i] = published[i] = True
-        for i, off, live, m in committed:
-            if not published[i]:
-                to_free.append((off, live))  # still owned by us until freed: a crash here is reaped
+        if placed_off:
+            words = self.alloc.meta_words
+            offs_np = np.array(placed_off, dtype=np.int64)
+            ends = offs_np + np.array([lengths[i] for i in placed_i], dtype=np.int64)
+            if int(offs_np.min()) < 0 or int(ends.max()) > self.geo.data_bytes:
+                raise StoreError("internal error: block outside the data area")
+            gidx = offs_np // self.geo.granule
+            reserved = words[gidx]
+            mine.update(zip(placed_off, reserved.tolist()))
+            # copy, without locks
+            data, memmove = self._data, ctypes.memmove
+            for i, off in zip(placed_i, placed_off):
+                dst = data + off
+                for addr, nb in pieces_list[i]:
+                    memmove(dst, addr, nb)
+                    dst += nb
+            # commit every copied block: RESERVED -> LIVE with the next sequence, one 8-byte store each
+            live = (((reserved >> 2) + 1) << 2) | LIVE
+            words[gidx] = live
+            lives = live.tolist()
+            mine.update(zip(placed_off, lives))
+            published, to_free, evicted, evicted_bytes = self._publish(
+                darr, digests, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res)
+        for k, off in enumerate(placed_off):
+            if not published[k]:
+                to_free.append((off, lives[k]))  # still owned by us until freed: a crash here is reaped
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)
         self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
-                   bytes_written=sum(lengths[i] for i, *_ in committed if published[i]))
+                   bytes_written=sum(lengths[i] for k, i in enumerate(placed_i) if published[k]))
         self.flush_counters()
         return res
+
+    def _publish(self, darr, digests, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res):
+        """Index every committed block of a batch under all its shard locks at once (ascending, see locks.py).
+
+        Returns (published flags, blocks to free, evictions, evicted bytes).
+        """
+        mm, index, data_end = self.mm, self.index, self.geo.data_bytes
+        shard_arr = (darr.view("<u8")[:, 0] & np.uint64(index.smask))[placed_i]
+        order = np.argsort(shard_arr, kind="stable").tolist()
+        shards = shard_arr.tolist()
+        published = [False] * len(placed_i)
+        to_free: list[tuple[int, int]] = []
+        evicted = evicted_bytes = 0
+        claim = self._claim_for_free
+        with self.locks.hold_many([SHARD_LOCK_BASE + s for s in set(shards)], repair_for=self._repair_shard_lock):
+            still = self.alloc.meta_words[gidx] == live  # not freed under us (we are alive: never)
+            cand = np.flatnonzero(still)
+            for k in cand.tolist():
+                del mine[placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
+            fast = index.insert_absent(shard_arr[cand], darr.view("<u8")[placed_i][cand], live[cand],
+                                       np.array(placed_off, dtype=np.uint64)[cand])
+            for k in cand[fast].tolist():
+                res[placed_i[k]] = published[k] = True
+            slow = set(cand[~fast].tolist())
+            for k in order:
+                if k not in slow:
+                    continue
+                i, off, s = placed_i[k], placed_off[k], shards[k]
+                d = digests[i]
+                if skip_existing:
+                    cur = index.find(d)
+                    if cur is not None and self._entry_valid(d, cur[0], cur[1]):
+                        res[i] = True  # someone published it first: theirs stays, ours is spare
+                        continue
+                while index.is_full(s):
+                    victim = index.clock_victim(s, self.alloc.is_referenced)
+                    if victim is None:
+                        break
+                    vd, vword, voff = victim
+                    claim(voff, vword)
+                    index.remove(s, vd)
+                    to_free.append((voff, vword))
+                    evicted += 1
+                    if 0 <= voff < data_end:
+                        m = self.alloc.meta_off(voff)
+                        evicted_bytes += int.from_bytes(mm[m + 24:m + 28], "little")
+                old = index.put(s, d, lives[k], off, on_replace=lambda w, o: claim(o, w))
+                if old is not None:
+                    to_free.append((old[1], old[0]))
+                res[i] = published[k] = True
+            # Disown what we published now, while the shard locks pin it: nobody can unpublish and
+            # free it before we release them. Done after the locks (check, then clear), a replace +
+            # free + re-reservation by another process could slip in between and we would wipe
+            # *their* owner, making their in-flight block evictable under them.
+            pub = np.flatnonzero(np.array(published, dtype=bool))
+            if len(pub):
+                self.alloc.meta_owners[gidx[pub]] = 0
+        return published, to_free, evicted, evicted_bytes
+
+    def _repair_shard_lock(self, lock_id: int) -> None:
+        self._shard_repair(lock_id - SHARD_LOCK_BASE)()
 
     def _claim_for_free(self, offset: int, word: int) -> None:
         """SHARD lock held, entry about to be removed: mark its block ours until we free it.

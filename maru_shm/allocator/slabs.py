@@ -15,7 +15,7 @@ import numpy as np
 
 from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS,
                       CLS_PARTIAL, CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
-                      LOCK_CLASSTAB, LOCK_POOL, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
+                      LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
 from .classes import EXACT_MIN_SLAB, slab_shape
@@ -44,6 +44,13 @@ class Allocator:
         self.states = np.ndarray((g.n_units,), dtype="<u4", buffer=self.mm, offset=g.off_slabs, strides=(SLAB_ENTRY,))
         self.clsfield = np.ndarray((g.n_units,), dtype="<u4", buffer=self.mm, offset=g.off_slabs + 4,
                                    strides=(SLAB_ENTRY,))
+        # block meta words and owners, one per granule (vectorised commit / disown of a batch)
+        n_gran = g.n_granules
+        self.meta_q = np.ndarray((n_gran, 4), dtype="<u8", buffer=self.mm, offset=g.off_blockmeta,
+                                 strides=(META_SIZE, 8))  # word, digest lo, digest hi, length|owner|ref|spare
+        self.meta_words = self.meta_q[:, 0]
+        self.meta_owners = np.ndarray((n_gran,), dtype="<u2", buffer=self.mm, offset=g.off_blockmeta + META_OWNER_OFF,
+                                      strides=(META_SIZE,))
         self.classes: list[ClassInfo | None] = []
         self.geo_sizes: list[int] = []
         self.exact: dict[int, int] = {}
@@ -52,7 +59,7 @@ class Allocator:
 
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
-        self.states = self.clsfield = None
+        self.states = self.clsfield = self.meta_q = self.meta_words = self.meta_owners = None
 
     # -- class table -----------------------------------------------------------
     def refresh_classes(self) -> None:
@@ -248,21 +255,14 @@ class Allocator:
                 h = head - 1
                 s = self._slab(h)
                 nfree = self._get32(s + SLAB_NFREE)
-                got = 0
-                bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
-                free = ~bm & ((1 << info.bps) - 1)
-                want = len(items)
-                while free and len(out) < want:
-                    low = free & -free
-                    i = low.bit_length() - 1
-                    free ^= low
-                    bm |= low
-                    off = h * self.U + i * info.block
-                    d, length = items[len(out)]
-                    self._reserve(off, d, length, owner)
-                    out.append(off)
-                    got += 1
-                self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = bm.to_bytes(32, "little")
+                bits = np.unpackbits(np.frombuffer(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], np.uint8),
+                                     bitorder="little")
+                free = np.flatnonzero(bits[:info.bps] == 0)[:len(items) - len(out)]
+                got = len(free)
+                if got:
+                    bits[free] = 1
+                    self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
+                    out += (h * self.U + free * info.block).tolist()
                 nfree = max(0, nfree - got)
                 if got == 0:
                     nfree = 0  # bitmap says full: the count was stale
@@ -271,13 +271,26 @@ class Allocator:
                 if nfree == 0:
                     self._partial_remove(cid, h)
                 self.mm[s + SLAB_REF] = 1
+            if out:
+                self._reserve_many(out, items, owner)
         return out
 
-    def _reserve(self, off: int, d: bytes, length: int, owner: int) -> None:
-        """FREE -> RESERVED: one write of the whole meta (no reader acts on a block that is not LIVE)."""
-        m = self.meta_off(off)
-        (word,) = U64.unpack_from(self.mm, m)
-        self.mm[m:m + META_STRUCT.size] = META_STRUCT.pack((((word >> 2) + 1) << 2) | RESERVED, d, length, owner, 0)
+    def _reserve_many(self, offsets: list[int], items, owner: int) -> None:
+        """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
+
+        The word (state RESERVED, next sequence) is written first: a reader still
+        holding the old LIVE word then fails validation before digest or length
+        change. A crash midway leaves RESERVED blocks of a dead or absent owner,
+        which class repair frees (section 9 of FORMAT.md).
+        """
+        g = np.asarray(offsets, dtype=np.int64) // self.G
+        q = self.meta_q
+        q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
+        dig = np.frombuffer(b"".join([d for d, _ in items[:len(offsets)]]), dtype="<u8").reshape(-1, 2)
+        q[g, 1] = dig[:, 0]
+        q[g, 2] = dig[:, 1]
+        lengths = np.fromiter((n for _, n in items[:len(offsets)]), dtype=np.uint64, count=len(offsets))
+        q[g, 3] = (q[g, 3] & np.uint64(0xFF << 56)) | lengths | np.uint64(owner << 32)  # ref 0, byte 31 kept
 
     def _new_slabs(self, info: ClassInfo, count: int) -> int:
         """Format up to `count` new slabs for the class in one POOL round (evicting if needed).
@@ -289,11 +302,12 @@ class Allocator:
             for u in self.find_free_runs(info.k, count):
                 self._format_slab(u, info)
                 made += 1
-            if made == 0:
+            while made < count:  # the pool is full: evict one window per slab still wanted
                 u = self._evict_for(info)
-                if u is not None:
-                    self._format_slab(u, info)
-                    made = 1
+                if u is None:
+                    break
+                self._format_slab(u, info)
+                made += 1
         return made
 
     def find_free_run(self, k: int) -> int | None:
@@ -327,9 +341,9 @@ class Allocator:
         self._set32(s + SLAB_NBLOCKS, info.bps)
         self.mm[s + SLAB_REF] = 1
         self._set32(s, UNIT_HEAD)  # commit point: the units now belong to the class
-        for t in range(h + 1, h + info.k):
-            self._set32(self._slab(t) + 4, h)
-            self._set32(self._slab(t), UNIT_TAIL)
+        if info.k > 1:  # tails: head pointer first, then the state (numpy: one pass each)
+            self.clsfield[h + 1:h + info.k] = h
+            self.states[h + 1:h + info.k] = UNIT_TAIL
         o = self._cls_off(info.cid) + CLS_NSLABS
         self._set32(o, self._get32(o) + 1)
         self._partial_push(info.cid, h)
@@ -436,8 +450,7 @@ class Allocator:
                 if not self._slab_evictable(h, cinfo):
                     return False
                 infos.append((h, cinfo))
-            for h, cinfo in infos:
-                self._evict_slab(h, cinfo)
+            self._evict_slabs(infos)
             return True
         finally:
             for c in locked:
@@ -451,32 +464,46 @@ class Allocator:
                 return False
         return True
 
-    def _evict_slab(self, h: int, info: ClassInfo) -> None:
-        """Holding the slab's CLASS lock and POOL: unpublish and free every block, return the units."""
+    def _evict_slabs(self, slabs: list[tuple[int, ClassInfo]]) -> None:
+        """Holding the slabs' CLASS locks and POOL: unpublish and free every block, return the units.
+
+        The LIVE blocks of all slabs are unpublished in one round of their shard
+        locks (Store.unpublish_many), not one lock round per block.
+        """
         ctx = self.ctx
-        evicted = evicted_bytes = orphans = 0
-        for i in range(info.bps):
-            off = h * self.U + i * info.block
-            m = self.meta_off(off)
-            word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, m)
-            if word & 3 == FREE:
-                continue
-            if word & 3 == LIVE:
-                if ctx.unpublish(d, off, word):
-                    evicted += 1
-                    evicted_bytes += length
-                else:
-                    orphans += 1
-            self._free_block(h, info, i, off)
-        self._partial_remove(info.cid, h)
-        s = self._slab(h)
-        self._set32(s, UNIT_FREE)  # commit point: the units are free
-        for t in range(h + 1, min(h + info.k, self.n_units)):
-            if self._get32(self._slab(t)) == UNIT_TAIL:
-                self._set32(self._slab(t), UNIT_FREE)
-        o = self._cls_off(info.cid) + CLS_NSLABS
-        self._set32(o, max(0, self._get32(o) - 1))
-        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=1, orphans_freed=orphans)
+        live, live_len = [], []
+        for h, info in slabs:
+            for i in range(info.bps):
+                off = h * self.U + i * info.block
+                word, d, length, _, _ = META_STRUCT.unpack_from(self.mm, self.meta_off(off))
+                if word & 3 == LIVE:
+                    live.append((d, off, word))
+                    live_len.append(length)
+        gone = ctx.unpublish_many(live) if live else []
+        evicted = sum(gone)
+        evicted_bytes = sum(n for n, g in zip(live_len, gone) if g)
+        q = self.meta_q
+        for h, info in slabs:
+            # every block FREE at once (word bumped first, so readers miss), then owner and ref cleared;
+            # bitmap and free count need no upkeep: the slab leaves the class and is reformatted on reuse
+            g = (h * self.U + np.arange(info.bps, dtype=np.int64) * info.block) // self.G
+            words = q[g, 0]
+            busy = (words & np.uint64(3)) != FREE
+            if busy.any():
+                gb = g[busy]
+                q[gb, 0] = (((words[busy] >> 2) + 1) << 2) | FREE
+                q[gb, 3] &= np.uint64(0xFF000000_FFFFFFFF)  # owner 0, ref 0; length and byte 31 kept
+                self._add_used(info.cid, -int(busy.sum()))
+            self._partial_remove(info.cid, h)
+            s = self._slab(h)
+            self._set32(s, UNIT_FREE)  # commit point: the units are free
+            for t in range(h + 1, min(h + info.k, self.n_units)):
+                if self._get32(self._slab(t)) == UNIT_TAIL:
+                    self._set32(self._slab(t), UNIT_FREE)
+            o = self._cls_off(info.cid) + CLS_NSLABS
+            self._set32(o, max(0, self._get32(o) - 1))
+        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=len(slabs),
+                  orphans_freed=len(live) - evicted)
 
     # -- repair -------------------------------------------------------------------
     def repair_pool(self) -> int:

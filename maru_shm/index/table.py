@@ -87,25 +87,71 @@ class Index:
         self.mm[self.off_hdr + shard * SHARD_HEADER:self.off_hdr + shard * SHARD_HEADER + 4] = n.to_bytes(4, "little")
 
     def _find_pos(self, shard: int, d: bytes):
-        pos = self.home_of(d)
+        base = self.off + shard * self.shard_bytes
+        pos = int.from_bytes(d[8:16], "little") & self.mask
+        mm, unpack, mask = self.mm, ENTRY_STRUCT.unpack_from, self.mask
         for _ in range(self.slots):
-            ed, word, offset = ENTRY_STRUCT.unpack_from(self.mm, self.entry_off(shard, pos))
+            ed, word, offset = unpack(mm, base + pos * ENTRY_SIZE)
             if word == 0:
                 return None, pos
             if ed == d:
                 return (word, offset), pos
-            pos = (pos + 1) & self.mask
+            pos = (pos + 1) & mask
         return None, None
+
+    def insert_absent(self, shards: np.ndarray, halves: np.ndarray, words: np.ndarray,
+                      offsets: np.ndarray) -> np.ndarray:
+        """Insert, in one numpy pass, every key of a batch whose home slot is empty; the shard locks of all
+        `shards` are held. Returns the mask of keys inserted; the caller `put`s the rest one by one.
+
+        An empty home slot proves the key absent (linear probing with backward-shift
+        deletion keeps every entry's probe path from its home slot unbroken), so
+        these need no probe and replace nothing. Left to the caller: keys sharing
+        a home slot within the batch, and every key of a shard the batch would
+        push to its load limit (the caller evicts first). Digest and offset of
+        all keys are written before any word, so a reader never pairs a new word
+        with a stale digest (section 8 of FORMAT.md).
+        """
+        entries = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=self.mm, offset=self.off)
+        counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
+                            strides=(SHARD_HEADER,))
+        try:
+            shards = shards.astype(np.int64)
+            slot = shards * self.slots + (halves[:, 1] & np.uint64(self.mask)).astype(np.int64)
+            ok = entries[slot, 2] == 0
+            _, inv, dup = np.unique(slot, return_inverse=True, return_counts=True)
+            ok &= dup[inv] == 1
+            add = np.bincount(shards[ok], minlength=self.nshards)
+            ok &= (counts.astype(np.int64) + add <= self.limit)[shards]
+            if not ok.any():
+                return ok
+            sel = slot[ok]
+            entries[sel, 0] = halves[ok, 0]
+            entries[sel, 1] = halves[ok, 1]
+            entries[sel, 3] = offsets[ok]
+            entries[sel, 2] = words[ok]  # publication: one aligned 8-byte store per entry
+            add = np.bincount(shards[ok], minlength=self.nshards)
+            touched = np.flatnonzero(add)
+            counts[touched] = counts[touched] + add[touched].astype(np.uint32)
+            return ok
+        finally:
+            del entries, counts
 
     def is_full(self, shard: int) -> bool:
         return self.count(shard) >= self.limit
 
-    def put(self, shard: int, d: bytes, word: int, offset: int):
-        """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit."""
+    def put(self, shard: int, d: bytes, word: int, offset: int, on_replace=None):
+        """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit.
+
+        `on_replace(word, offset)` runs before an existing entry is overwritten
+        (the writer claims the old block there, so a crash never orphans it).
+        """
         found, pos = self._find_pos(shard, d)
         if pos is None:
             raise RuntimeError("index shard has no empty slot")  # impossible below the load limit
         e = self.entry_off(shard, pos)
+        if found is not None and on_replace is not None:
+            on_replace(*found)
         if found is None:
             self.mm[e:e + 16] = d
             store_u64(self.mm, e + 24, offset)
