@@ -14,7 +14,7 @@ from maru_shm.format import (CLASS_LOCK_BASE, LOCK_INIT, LOCK_POOL, LOCK_RECORD,
                              SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
 
-from ..conftest import assert_clean
+from ..conftest import assert_clean, value_version
 
 TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
@@ -350,4 +350,113 @@ def test_full_process_table_of_dead_processes_is_reaped_on_attach(open_store, po
         children.kill(pid)
     s = open_store(path=pool_path, create=False)  # both holders died: their slots must be reclaimed
     assert s.stats()["processes"] == 1
+    assert_clean(s)
+
+
+# ---------------------------------------------------------------- several shard locks taken together
+def _shard_ids(*shards):
+    return [SHARD_LOCK_BASE + s for s in shards]
+
+
+def test_hold_many_takes_runs_and_excludes_other_processes(open_store, pool_path, children):
+    """A batch holds shards 1-3 and 7: another process times out on each of them, gets shard 5 at once."""
+    s = open_store()
+    held = _shard_ids(3, 1, 2, 7)
+    with s.locks.hold_many(held) as dirty:
+        assert dirty == []
+        other = Store.open(pool_path, timeout=TIMEOUT)
+        try:
+            for lock_id in held:
+                with pytest.raises(LockTimeout):
+                    other.locks.acquire(lock_id)
+            assert other.locks.acquire(SHARD_LOCK_BASE + 5) is False
+            other.locks.release(SHARD_LOCK_BASE + 5)
+            # a range overlapping the held ones is refused as a whole, and leaves nothing held
+            with pytest.raises(LockTimeout):
+                other.locks.acquire_many(_shard_ids(4, 5, 6, 7))
+            assert other.locks.acquire(SHARD_LOCK_BASE + 4) is False
+            other.locks.release(SHARD_LOCK_BASE + 4)
+        finally:
+            other.close()
+        recs = [LOCK_RECORD.unpack_from(s.mm, s.geo.off_locks + i * LOCK_RECORD.size)[0] for i in held]
+        assert recs == [s.slot + 1] * 4  # every held lock marked: a crash here leaves all of them dirty
+    recs = [LOCK_RECORD.unpack_from(s.mm, s.geo.off_locks + i * LOCK_RECORD.size)[0] for i in held]
+    assert recs == [0] * 4
+
+
+def test_hold_many_repairs_each_dirty_lock_and_leaves_all_dirty_on_error(open_store):
+    s = open_store()
+    ids = _shard_ids(0, 1, 2)
+    with pytest.raises(RuntimeError):
+        with s.locks.hold_many(ids):
+            raise RuntimeError("boom")  # as a crash would: every dirty mark stays
+    repaired = []
+    with s.locks.hold_many(_shard_ids(2, 1, 0, 9), repair_for=repaired.append) as dirty:
+        assert dirty == ids
+    assert repaired == ids
+    with s.locks.hold_many(ids, repair_for=repaired.append) as dirty:
+        assert dirty == []
+
+
+def test_hold_many_waits_for_threads_of_its_own_process(open_store):
+    """OFD locks do not exclude threads: the per-id thread locks must, for ranges too."""
+    s = open_store()
+    inside = threading.Event()
+    release = threading.Event()
+    order = []
+
+    def single():
+        with s.locks.hold(SHARD_LOCK_BASE + 6):
+            inside.set()
+            release.wait(5)
+            order.append("single")
+
+    t = threading.Thread(target=single)
+    t.start()
+    assert inside.wait(5)
+    threading.Timer(0.2, release.set).start()
+    with s.locks.hold_many(_shard_ids(5, 6, 7)):
+        order.append("many")
+    t.join()
+    assert order == ["single", "many"]
+
+
+def test_killed_batch_publisher_leaves_every_shard_repaired(open_store, pool_path, children, make_value,
+                                                            check_value):
+    """A process killed inside a hold_many section leaves several shards dirty; the next holders repair
+    each of them and every value put before survives."""
+    s = open_store("32M")
+    keys = [f"pre-{i}" for i in range(200)]
+    assert all(s.batch_put(keys, [make_value(k, 1, 3000) for k in keys]))
+    shards = sorted({s.index.shard_of(key_digest(k)) for k in keys})[:5]
+
+    def damage(st):
+        # a shard count bumped before its entries were written (the next put would evict to make room),
+        # and half-written entries of an interrupted vectorised insert: digest and offset, word still 0
+        for sh in shards:
+            U32.pack_into(st.mm, st.index.off_hdr + sh * 16, st.index.slots)
+            e = st.index.entry_off(sh, 0)
+            if U64.unpack_from(st.mm, e + 16)[0] == 0:
+                st.mm[e:e + 16] = os.urandom(16)
+                U64.pack_into(st.mm, e + 24, 12345)
+
+    def hold_all(path, lock_id, ready_fd, extra):
+        st = Store.open(path)
+        with st.locks.hold_many(_shard_ids(*shards)):
+            damage(st)
+            os.write(ready_fd, b"1")
+            while True:
+                time.sleep(1)
+
+    pid = _start(children, hold_all, pool_path, None, None)
+    os.kill(pid, signal.SIGKILL)
+    children.wait(pid)
+    for k in keys:
+        assert value_version(k, s.get(k)) == 1, k
+    more = [f"post-{i}" for i in range(200)]
+    assert all(s.batch_put(more, [make_value(k, 2, 3000) for k in more]))
+    for k in keys:
+        assert value_version(k, s.get(k)) == 1, k
+    for k in more:
+        assert value_version(k, s.get(k)) == 2, k
     assert_clean(s)

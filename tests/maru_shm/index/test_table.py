@@ -221,3 +221,79 @@ def test_store_repairs_a_shard_left_with_duplicates(open_store):
     assert len(idx.entries(0)) == idx.count(0) == 21
     assert_clean(s)
 
+
+
+# ---------------------------------------------------------------- vectorised insert of a batch
+def _batch(ds, words, offs, idx):
+    import numpy as np
+    halves = np.frombuffer(b"".join(ds), dtype="<u8").reshape(-1, 2)
+    shards = halves[:, 0] & np.uint64(idx.smask)
+    return shards, halves, np.array(words, dtype=np.uint64), np.array(offs, dtype=np.uint64)
+
+
+def test_insert_absent_takes_empty_homes_and_leaves_the_rest():
+    idx = make_index(32)
+    occupied = dig(100, 3)
+    idx.put(0, occupied, 4, 0)
+    ds = [dig(1, 5), dig(2, 3), dig(3, 9), dig(4, 9), dig(5, 20)]  # home 3 taken; two keys share home 9
+    words, offs = [8, 12, 16, 20, 24], [4096, 8192, 12288, 16384, 20480]
+    ok = idx.insert_absent(*_batch(ds, words, offs, idx)).tolist()
+    assert ok == [True, False, False, False, True]
+    assert idx.find(ds[0]) == (8, 4096) and idx.find(ds[4]) == (24, 20480)
+    assert idx.count(0) == 3
+    for d, w, o, done in zip(ds, words, offs, ok):  # the caller puts the rest one by one
+        if not done:
+            idx.put(0, d, w, o)
+    model = {occupied: (4, 0), **{d: (w, o) for d, w, o in zip(ds, words, offs)}}
+    assert_consistent(idx, model)
+
+
+def test_insert_absent_never_pushes_a_shard_past_its_load_limit():
+    idx = make_index(16)  # limit 14
+    model = {}
+    for j in range(12):
+        d = dig(j, j)
+        idx.put(0, d, 4 * (j + 1), j)
+        model[d] = (4 * (j + 1), j)
+    ds = [dig(50, 12), dig(51, 13), dig(52, 14)]  # three empty homes, room for two: all left to the caller
+    ok = idx.insert_absent(*_batch(ds, [100, 104, 108], [1, 2, 3], idx))
+    assert not ok.any() and idx.count(0) == 12
+    ok = idx.insert_absent(*_batch(ds[:2], [100, 104], [1, 2], idx))
+    assert ok.all() and idx.count(0) == 14
+    model.update({ds[0]: (100, 1), ds[1]: (104, 2)})
+    assert_consistent(idx, model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 31), st.integers(0, 3)), min_size=1, max_size=40),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(0, 31), st.integers(0, 3)), max_size=40))
+def test_insert_absent_then_put_matches_a_dict_model(pre, batch):
+    """Whatever the batch, insert_absent + put of the rest equals putting every key one by one."""
+    idx = make_index(32, shards=4)
+    model: dict[bytes, tuple[int, int]] = {}
+    homes: dict[int, tuple[int, int]] = {}
+    for n, (kid, home, sh) in enumerate(pre):
+        home, sh = homes.setdefault(kid, (home, sh))
+        d = dig(kid, home, sh)
+        if d in model or idx.count(sh) < idx.limit:
+            idx.put(sh, d, 4 * (n + 1), n)
+            model[d] = (4 * (n + 1), n)
+    ds, words, offs = [], [], []
+    for n, (kid, home, sh) in enumerate(batch):
+        home, sh = homes.setdefault(kid, (home, sh))
+        ds.append(dig(kid, home, sh))
+        words.append(4 * (1000 + n))
+        offs.append(1000 + n)
+    if ds:
+        ok = idx.insert_absent(*_batch(ds, words, offs, idx)).tolist()
+        for d, w, o, done in zip(ds, words, offs, ok):
+            sh = idx.shard_of(d)
+            if done:
+                assert d not in model
+            elif d in model or idx.count(sh) < idx.limit:
+                idx.put(sh, d, w, o)
+            else:
+                continue
+            model[d] = (w, o)
+    for sh in range(4):
+        assert_consistent(idx, {d: v for d, v in model.items() if idx.shard_of(d) == sh}, shard=sh)
