@@ -191,6 +191,13 @@ class MaruStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool."""
         try:
+            if not keys:
+                return 0
+            # a prefix query usually misses at once, or hits throughout: hash the first key alone first
+            if not self.store.leading_hits(length=self.page_bytes, digests=self._digests(keys[:1])):
+                return 0
+            if len(keys) == 1:
+                return 1
             return self.store.leading_hits(length=self.page_bytes, digests=self._digests(keys))
         except Exception as e:
             self._log_once("batch_exists", e)

@@ -32,32 +32,40 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
 
     full=False stops after the meta checks (enough to answer "exists", see
     docs/FORMAT.md §8); a caller that copies must use full=True.
+
+    Each key's home slot is gathered and its block meta checked against the
+    entry's word and the key's digest in one XOR/OR pass. The entry's own
+    digest needs no separate check: a meta whose word equals the entry's word
+    is the incarnation that entry published (every reuse of a block bumps its
+    word), so a meta digest equal to the key's proves the entry is the key's.
+    Keys that fail at their home slot but found it occupied (displaced by
+    probing, or caught mid-update) are finished by the scalar path.
     """
     g = store.geo
     idx = store.index
     halves = np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1, 16).view("<u8")
-    entries = np.ndarray((idx.nshards * idx.slots, 4), dtype="<u8", buffer=store.mm, offset=idx.off)
-    metas = np.ndarray((g.n_granules, 4), dtype="<u8", buffer=store.mm, offset=g.off_blockmeta)
-    try:
-        e = entries[((halves[:, 0] & idx.smask) * idx.slots + (halves[:, 1] & idx.mask)).astype(np.intp)]
-        hit = (e[:, :2] == halves).all(axis=1)
-        if not hit.all():  # empty home slot (a miss) or a displaced key: finish those with the scalar probe
-            for i in np.flatnonzero(~hit & (e[:, 2] != 0)).tolist():
-                found = idx.find(halves[i].tobytes())
-                if found is not None:
-                    e[i, :2], (e[i, 2], e[i, 3]) = halves[i], found
-                    hit[i] = True
-        words = e[:, 2]
-        offs = np.where(hit & (e[:, 3] < g.data_bytes), e[:, 3], 0).astype(np.intp)
-        m = metas[offs // g.granule]
-    finally:
-        del entries, metas
-    lengths = (m[:, 3] & 0xFFFFFFFF).astype(np.intp)
-    ok = hit & (words != 0) & (m[:, 0] == words) & ((m[:, 0] & 3) == LIVE) & (m[:, 1:3] == halves).all(axis=1) \
-        & (e[:, 3] < g.data_bytes) & (offs + lengths <= g.data_bytes)
+    h0, h1 = halves[:, 0], halves[:, 1]
+    e = idx.table[idx.home_slots(h0, h1)]
+    words = e[:, 2]
+    inside = e[:, 3] < np.uint64(g.data_bytes)
+    offs = (e[:, 3] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
+    m = store.alloc.meta_q[offs >> _shift(g.granule)]
+    lengths = (m[:, 3] & np.uint64(0xFFFFFFFF)).astype(np.intp)
+    ok = (((m[:, 0] ^ words) | (m[:, 1] ^ h0) | (m[:, 2] ^ h1)) == 0) & inside \
+        & ((words & np.uint64(3)) == LIVE) & (offs + lengths <= g.data_bytes)
+    if not ok.all():
+        for i in np.flatnonzero(~ok & (words != 0)).tolist():
+            found = store._lookup(halves[i].tobytes())  # same checks, after a bounded probe
+            if found is not None:
+                offs[i], words[i], lengths[i] = found[0], found[1], found[2]
+                ok[i] = True
     if full:
         ok &= _block_starts_ok(store, offs, lengths)
     return Resolved(ok, offs, words, lengths)
+
+
+def _shift(granule: int) -> int:
+    return granule.bit_length() - 1  # granules are powers of two (Geometry.plan)
 
 
 def _block_starts_ok(store, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -119,6 +119,7 @@ class Store:
                 self._detach()
             finally:
                 self.alloc.release_views()
+                self.index.release_views()
                 del self._anchor
             raise
 
@@ -149,6 +150,7 @@ class Store:
             self._detach()
         finally:
             self.alloc.release_views()
+            self.index.release_views()
             del self._anchor
             self._pf.close()
 

@@ -31,6 +31,19 @@ class Index:
         self.mask = geo.shard_slots - 1
         self.limit = geo.shard_slots * 7 // 8
         self.shard_bytes = geo.shard_slots * ENTRY_SIZE
+        # every entry as a row of 4 u64 (digest lo, digest hi, word, offset): batch gathers and inserts
+        self.table = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=mm, offset=self.off)
+        self.smask_u = np.uint64(self.smask)
+        self.mask_u = np.uint64(self.mask)
+        self.slots_u = np.uint64(self.slots)
+
+    def release_views(self) -> None:
+        """Drop the numpy view so the mapping can be closed."""
+        self.table = None
+
+    def home_slots(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
+        """Row of `table` holding the home slot of each digest, given its little-endian u64 halves."""
+        return (h0 & self.smask_u) * self.slots_u + (h1 & self.mask_u)
 
     # -- addressing ---------------------------------------------------------
     def shard_of(self, d: bytes) -> int:
@@ -64,12 +77,7 @@ class Index:
         their home slot (most of them below 7/8 load) are resolved in one numpy
         gather; the rest fall back to the bounded scalar probe.
         """
-        entries = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=self.mm, offset=self.off)
-        try:
-            slot = (halves[:, 0] & self.smask) * self.slots + (halves[:, 1] & self.mask)
-            e = entries[slot.astype(np.int64)]
-        finally:
-            del entries
+        e = self.table[self.home_slots(halves[:, 0], halves[:, 1])]
         hit = (e[:, 0:2] == halves).all(axis=1) & (e[:, 2] != 0)
         words = np.where(hit, e[:, 2], 0)
         offsets = np.where(hit, e[:, 3], 0)
@@ -112,12 +120,12 @@ class Index:
         all keys are written before any word, so a reader never pairs a new word
         with a stale digest (section 8 of FORMAT.md).
         """
-        entries = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=self.mm, offset=self.off)
+        entries = self.table
         counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
                             strides=(SHARD_HEADER,))
         try:
             shards = shards.astype(np.int64)
-            slot = shards * self.slots + (halves[:, 1] & np.uint64(self.mask)).astype(np.int64)
+            slot = shards * self.slots + (halves[:, 1] & self.mask_u).astype(np.int64)
             ok = entries[slot, 2] == 0
             _, inv, dup = np.unique(slot, return_inverse=True, return_counts=True)
             ok &= dup[inv] == 1
@@ -135,7 +143,7 @@ class Index:
             counts[touched] = counts[touched] + add[touched].astype(np.uint32)
             return ok
         finally:
-            del entries, counts
+            del counts
 
     def is_full(self, shard: int) -> bool:
         return self.count(shard) >= self.limit
