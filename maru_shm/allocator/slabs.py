@@ -262,7 +262,11 @@ class Allocator:
                 if got:
                     bits[free] = 1
                     self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
-                    out += (h * self.U + free * info.block).tolist()
+                    offs = (h * self.U + free * info.block).tolist()
+                    # reserve now, not after the loop: making room for the rest (_new_slabs) may evict slabs
+                    # of this very class, and a taken block must already carry its owner to be spared
+                    self._reserve_many(offs, items[len(out):len(out) + got], owner)
+                    out += offs
                 nfree = max(0, nfree - got)
                 if got == 0:
                     nfree = 0  # bitmap says full: the count was stale
@@ -271,8 +275,6 @@ class Allocator:
                 if nfree == 0:
                     self._partial_remove(cid, h)
                 self.mm[s + SLAB_REF] = 1
-            if out:
-                self._reserve_many(out, items, owner)
         return out
 
     def _reserve_many(self, offsets: list[int], items, owner: int) -> None:
@@ -286,10 +288,10 @@ class Allocator:
         g = np.asarray(offsets, dtype=np.int64) // self.G
         q = self.meta_q
         q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
-        dig = np.frombuffer(b"".join([d for d, _ in items[:len(offsets)]]), dtype="<u8").reshape(-1, 2)
+        dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
         q[g, 1] = dig[:, 0]
         q[g, 2] = dig[:, 1]
-        lengths = np.fromiter((n for _, n in items[:len(offsets)]), dtype=np.uint64, count=len(offsets))
+        lengths = np.fromiter((n for _, n in items), dtype=np.uint64, count=len(offsets))
         q[g, 3] = (q[g, 3] & np.uint64(0xFF << 56)) | lengths | np.uint64(owner << 32)  # ref 0, byte 31 kept
 
     def _new_slabs(self, info: ClassInfo, count: int) -> int:

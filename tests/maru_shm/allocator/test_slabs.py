@@ -126,3 +126,34 @@ def test_mixed_sizes_keep_the_pool_full(open_store, record_property):
         v = s.get(k)
         assert v is None or check_value(k, v)
     assert_clean(s)
+
+
+def test_batch_spanning_a_partial_slab_and_an_eviction_keeps_its_blocks(open_store):
+    """One allocate call takes the last free blocks of a partial slab, then must evict to make room for
+    the rest, and the slab CLOCK hand points at that very slab: the blocks already taken carry their
+    owner by then, so the eviction skips the slab instead of freeing (and reformatting) it under them."""
+    from maru_shm.format import CLS_PARTIAL, SLAB_HAND_OFF, SLAB_REF, U32
+    s = open_store("16M")
+    size = 100 * KiB
+    info = s.alloc.class_for(size)
+    n = 0
+    while True:  # fill the pool completely with this class
+        keys = [f"f{n + i}" for i in range(16)]
+        assert all(s.batch_put(keys, [make_value(k, 1, size) for k in keys]))
+        n += 16
+        if s.stats()["evictions"]:
+            break
+    # free two blocks of one slab: it becomes the class's partial slab, and the only one
+    victims = [f"f{n - 1}", f"f{n - 2}"]
+    for k in victims:
+        assert s.delete(k)
+    head = U32.unpack_from(s.mm, s.alloc._cls_off(info.cid) + CLS_PARTIAL)[0] - 1
+    assert head >= 0
+    for u in range(s.geo.n_units):  # all referenced: the first sweep clears them and the next one
+        s.mm[s.alloc._slab(u) + SLAB_REF] = 1  # starts at the hand, on the slab the batch just took from
+    U32.pack_into(s.mm, SLAB_HAND_OFF, head)
+    keys = [f"g{i}" for i in range(info.bps + 2)]
+    assert all(s.batch_put(keys, [make_value(k, 2, size) for k in keys]))
+    for k in keys:
+        assert check_value(k, s.get(k)), k
+    assert_clean(s)
