@@ -20,6 +20,7 @@ import struct
 import threading
 import time
 
+from . import crashpoints as _cp
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                      LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
@@ -122,6 +123,8 @@ class LockTable:
             holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
             dirty = holder != 0
             LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
+        if _cp.ARMED is not None:
+            _cp.hit_lock(lock_name(lock_id).partition("[")[0])
         return dirty
 
     def release(self, lock_id: int, *, clean: bool = True) -> None:

@@ -14,6 +14,7 @@ import os
 import stat
 import time
 
+from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError)
 from .format import (LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
                      Geometry)
@@ -116,6 +117,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         deadline = time.monotonic() + timeout
         while True:
             _take_init_lock(lock_fd, path, timeout)
+            if _cp.ARMED is not None:
+                _cp.hit_lock("INIT")
             try:
                 geo = _initialise_or_read(fd, path, is_device, size, create, plan_kwargs)
                 break
@@ -208,6 +211,8 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
                 mm[off:off + n] = bytes(n)
         sb = geo.pack_superblock()
         mm[8:len(sb)] = sb[8:]
+        if _cp.ARMED is not None:
+            _cp.hit("init.mid_header")
         from .allocator.classes import geometric_sizes, slab_shape
         from .format import (CLASS_ENTRY, CLASS_STRUCT, KIND_GEOMETRIC)
         for cid, bsize in enumerate(geometric_sizes(geo.granule, geo.max_value)):

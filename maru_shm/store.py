@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from . import crashpoints as _cp
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
@@ -175,6 +176,8 @@ class Store:
                     PROC_HEAD.pack_into(self.mm, o, 1, pid, _start_ticks(pid), time.time_ns(), os.geteuid())
                     self.slot = slot
                     self.locks.slot_plus1 = slot + 1
+                    if _cp.ARMED is not None:
+                        _cp.hit_lock("SLOT")
                     return
             # Every slot is claimed: some claimants may be dead (reaping is lazy). Reap, then look again.
             if attempt or not self.reap_dead():
@@ -223,6 +226,8 @@ class Store:
             if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
                 continue  # alive (or being reaped by someone else)
             try:
+                if _cp.ARMED is not None:
+                    _cp.hit_lock("SLOT")
                 if PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0] == 0:
                     continue
                 self._reap_slot(slot)
@@ -516,6 +521,7 @@ class Store:
 
     def _put_many(self, keys: Sequence, pieces_list: Sequence[Pieces], skip_existing: bool,
                   mine: dict[int, int], digests=None) -> list[bool]:
+        armed = _cp.ARMED  # crash-point hooks below cost one local test when unset
         n = len(pieces_list)
         res = [False] * n
         darr = self._digest_batch(keys, digests)
@@ -541,6 +547,8 @@ class Store:
                 offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
             placed.extend(zip(idxs, offs))
             mine.update((off, U64.unpack_from(self.mm, self.alloc.meta_off(off))[0]) for off in offs)
+            if armed is not None:
+                _cp.hit("put.after_alloc")
         # copy and commit, without locks
         committed = []
         data, data_end, mm = self._data, self.geo.data_bytes, self.mm
@@ -551,12 +559,16 @@ class Store:
             for addr, nb in pieces_list[i]:
                 ctypes.memmove(dst, addr, nb)
                 dst += nb
+                if armed is not None:
+                    _cp.hit("put.mid_copy")
             m = self.alloc.meta_off(off)
             w = U64.unpack_from(mm, m)[0]
             live = (((w >> 2) + 1) << 2) | LIVE
             store_u64(mm, m, live)  # commit: lock-free, so one 8-byte store (see format.store_u64)
             mine[off] = live
             committed.append((i, off, live, m))
+        if armed is not None:
+            _cp.hit("put.before_index")
         # publish, one shard lock per shard
         by_shard: dict[int, list] = {}
         for item in committed:
@@ -591,6 +603,8 @@ class Store:
                     if cur is not None:
                         self._claim_for_free(cur[1], cur[0])
                     old = self.index.put(s, digests[i], live, off)
+                    if armed is not None:
+                        _cp.hit("put.before_disown")
                     # Disown it now, while SHARD[s] pins it: nobody can unpublish and free it before we
                     # release the lock. Done after the lock (check, then clear), a replace + free +
                     # re-reservation by another process could slip in between and we would wipe *their*
@@ -602,6 +616,8 @@ class Store:
         for i, off, live, m in committed:
             if not published[i]:
                 to_free.append((off, live))  # still owned by us until freed: a crash here is reaped
+        if armed is not None:
+            _cp.hit("put.before_free")
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)
@@ -633,6 +649,8 @@ class Store:
             removed = self.index.remove(s, d)
         if removed is None:
             return False
+        if _cp.ARMED is not None:
+            _cp.hit("delete.before_free")
         self.alloc.free_blocks([(removed[1], removed[0])])
         return True
 

@@ -18,6 +18,7 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       LOCK_CLASSTAB, LOCK_POOL, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
+from .. import crashpoints as _cp
 from .classes import EXACT_MIN_SLAB, slab_shape
 
 class ClassInfo:
@@ -121,6 +122,8 @@ class Allocator:
                     k, bps = slab_shape(n, self.U, min_bytes=EXACT_MIN_SLAB)
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
+                    if _cp.ARMED is not None:
+                        _cp.hit("classtab.mid_declare")
                     (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
                     U32.pack_into(self.mm, CLASSES_VERSION_OFF, (ver + 1) & 0xFFFFFFFF)
                     break
@@ -292,6 +295,8 @@ class Allocator:
             if made == 0:
                 u = self._evict_for(info)
                 if u is not None:
+                    if _cp.ARMED is not None:
+                        _cp.hit("slab.mid_move")
                     self._format_slab(u, info)
                     made = 1
         return made
@@ -327,6 +332,8 @@ class Allocator:
         self._set32(s + SLAB_NBLOCKS, info.bps)
         self.mm[s + SLAB_REF] = 1
         self._set32(s, UNIT_HEAD)  # commit point: the units now belong to the class
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_format")
         for t in range(h + 1, h + info.k):
             self._set32(self._slab(t) + 4, h)
             self._set32(self._slab(t), UNIT_TAIL)
@@ -465,6 +472,8 @@ class Allocator:
                 if ctx.unpublish(d, off, word):
                     evicted += 1
                     evicted_bytes += length
+                    if _cp.ARMED is not None:
+                        _cp.hit("evict.mid")
                 else:
                     orphans += 1
             self._free_block(h, info, i, off)
@@ -588,6 +597,8 @@ class Allocator:
                     else:
                         self._free_block(loc[0], loc[1], loc[2], off)
                         freed += 1
+                    if _cp.ARMED is not None:
+                        _cp.hit("reap.mid")
         return freed
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import crashpoints as _cp
 from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
@@ -110,10 +111,14 @@ class Index:
             self.mm[e:e + 16] = d
             store_u64(self.mm, e + 24, offset)
             store_u64(self.mm, e + 16, word)  # publication point (one 8-byte store)
+            if _cp.ARMED is not None:
+                _cp.hit("index.mid_insert")
             self._set_count(shard, self.count(shard) + 1)
             return None
         # A reader pairing the old word with the new offset fails block validation: a miss.
         store_u64(self.mm, e + 24, offset)
+        if _cp.ARMED is not None:
+            _cp.hit("index.mid_replace")
         store_u64(self.mm, e + 16, word)
         return found
 
@@ -147,6 +152,8 @@ class Index:
             mm[eh:eh + 16] = ed
             store_u64(mm, eh + 24, offset)
             store_u64(mm, eh + 16, word)
+            if _cp.ARMED is not None:
+                _cp.hit("index.mid_shift")  # the moved entry is in the hole and still at j: a duplicate
             hole = j
         eh = self.entry_off(shard, hole)
         store_u64(mm, eh + 16, 0)
