@@ -201,7 +201,13 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
 
 
 def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
-    """Zero the header regions, write the superblock with magic last and state=READY after it."""
+    """Zero the header regions, write magic first, then the superblock and class table, state=READY last.
+
+    Magic goes first so that a creator killed at any later instruction leaves "our own unfinished
+    header" (magic, not ready), which the next create=True initialises again; with magic written
+    late, a crash after the superblock body left a file that was neither zero nor ours, and every
+    later open refused it as a foreign file.
+    """
     mm = mmap.mmap(fd, geo.off_data, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         if is_device:  # a device is not zero-filled by ftruncate
@@ -209,6 +215,7 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
             for off in range(0, geo.off_data, chunk):
                 n = min(chunk, geo.off_data - off)
                 mm[off:off + n] = bytes(n)
+        mm[0:8] = MAGIC
         sb = geo.pack_superblock()
         mm[8:len(sb)] = sb[8:]
         if _cp.ARMED is not None:
@@ -218,7 +225,6 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
         for cid, bsize in enumerate(geometric_sizes(geo.granule, geo.max_value)):
             k, n = slab_shape(bsize, geo.unit_size)
             CLASS_STRUCT.pack_into(mm, geo.off_classes + cid * CLASS_ENTRY, KIND_GEOMETRIC, k, bsize, n, 0, 0, 0, 0)
-        mm[0:8] = MAGIC
         U32.pack_into(mm, STATE_OFF, STATE_READY)
         if is_device:
             mm.flush()
