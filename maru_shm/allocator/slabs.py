@@ -325,6 +325,17 @@ class Allocator:
         return out
 
     def _format_slab(self, h: int, info: ClassInfo) -> None:
+        """CLASS and POOL held: make units h .. h+k-1 a slab of the class.
+
+        TAILs are written before the HEAD: once the HEAD exists, every block of the slab, including
+        those starting in a tail unit, must resolve (readers, free_blocks and reaping find a block's
+        slab through its unit). A crash before the HEAD leaves TAILs of a unit that is not a HEAD,
+        which POOL repair clears; a crash after it leaves only class-derived state (count, partial
+        list) stale, which class repair rebuilds.
+        """
+        for t in range(h + 1, h + info.k):
+            self._set32(self._slab(t) + 4, h)
+            self._set32(self._slab(t), UNIT_TAIL)
         s = self._slab(h)
         self.mm[s:s + SLAB_ENTRY] = bytes(SLAB_ENTRY)
         self._set32(s + 4, info.cid)
@@ -334,9 +345,6 @@ class Allocator:
         self._set32(s, UNIT_HEAD)  # commit point: the units now belong to the class
         if _cp.ARMED is not None:
             _cp.hit("slab.mid_format")
-        for t in range(h + 1, h + info.k):
-            self._set32(self._slab(t) + 4, h)
-            self._set32(self._slab(t), UNIT_TAIL)
         o = self._cls_off(info.cid) + CLS_NSLABS
         self._set32(o, self._get32(o) + 1)
         self._partial_push(info.cid, h)
