@@ -77,6 +77,7 @@ class LockTable:
         self.off_records = off_records
         self.timeout = timeout
         self.slot_plus1 = 0  # set once this process has a proc slot
+        self.all_held_by = 0  # thread ident of a caller holding every lock (check), which must take none again
         self._threads: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
         self.timeouts = 0
@@ -133,6 +134,11 @@ class LockTable:
             LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
         ofd_unlock(self.fd, lock_id)
         self._tlock(lock_id).release()
+
+    def holds_all(self) -> bool:
+        """Does the calling thread hold every lock (check(repair=True))? Then it must not take one again:
+        the per-id thread lock is not re-entrant."""
+        return self.all_held_by == threading.get_ident()
 
     def hold(self, lock_id: int, repair=None, timeout: float | None = None) -> "_Held":
         """Context manager: acquire, run `repair()` if the last holder died inside, release.

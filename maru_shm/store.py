@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from contextlib import nullcontext
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -294,8 +295,46 @@ class Store:
         with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
             return self.index.remove(s, d, offset=offset, word=word) is not None
 
-    def indexed_at(self, d: bytes, offset: int, word: int) -> bool:
-        return self.index.find(d) == (word, offset)
+    def indexed_at(self, d: bytes, offset: int, word: int, disown: int = 0) -> bool:
+        """Is the block (offset, word) the published value of d? See indexed_many."""
+        return self.indexed_many([(d, offset, word, disown)])[0]
+
+    def indexed_many(self, blocks) -> list[bool]:
+        """Per (digest, offset, word, disown): is that block the published value of its digest?
+
+        Repairs and reaping ask this before freeing a LIVE block, so it is answered under the digest's
+        SHARD lock (one acquisition per shard; a dirty shard is repaired first): a lock-free probe can
+        miss an entry that another process's backward-shift delete is moving, or read a torn entry
+        that shard repair would restore, and the caller would free a published block. A "not indexed"
+        answer stays true after the lock is released (only a block's owner publishes it, and these
+        blocks are unowned or owned by a dead process); an indexed block can only be unpublished by
+        a process that claims it first. While the lock pins an indexed block, its owner is cleared if
+        it is still `disown` (nonzero): reaping a dead publisher's block must not wipe the claim of a
+        live process that unpublishes it just after.
+
+        Lock order: callers hold CLASS (and maybe POOL) locks, and SHARD comes after them. A caller
+        holding every lock (check(repair=True)) is answered without taking any.
+        """
+        out = [False] * len(blocks)
+        by_shard: dict[int, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_shard.setdefault(self.index.shard_of(b[0]), []).append(i)
+        holds_all = self.locks.holds_all()
+        mm, meta_off = self.mm, self.alloc.meta_off
+        for s, idxs in by_shard.items():
+            section = nullcontext() if holds_all else self.locks.hold(SHARD_LOCK_BASE + s,
+                                                                     repair=self._shard_repair(s))
+            with section:
+                for i in idxs:
+                    d, offset, word, disown = blocks[i]
+                    if self.index.find(d) != (word, offset):
+                        continue
+                    out[i] = True
+                    if disown:
+                        m = meta_off(offset)
+                        if U16.unpack_from(mm, m + 28)[0] == disown:
+                            U16.pack_into(mm, m + 28, 0)
+        return out
 
     # ---------------------------------------------------------------- sizes
     def declare_size(self, nbytes: int) -> int:

@@ -527,15 +527,40 @@ class Allocator:
         """CLASS[cid] was left dirty (or `check --repair`): rebuild the class from block metas.
 
         Frees blocks of dead owners that never got published and LIVE blocks
-        the index does not point at; returns the number of blocks freed.
+        the index does not point at; returns the number of blocks freed. The
+        index is asked under each shard's lock (Store.indexed_many), once per
+        shard, after a first pass has picked the LIVE blocks whose fate depends
+        on it. Holding CLASS[cid], no block of the class changes between FREE
+        and not FREE meanwhile, and a LIVE block's word cannot change.
         """
         info = self.classes[cid] if cid < len(self.classes) else None
         if info is None:
             return 0
+        heads = self.class_slabs(cid)
+        drop: set[int] = set()
+        ask = []  # LIVE blocks kept only if indexed: (digest, offset, word, dead owner to clear or 0)
+        for h in heads:
+            for i in range(info.bps):
+                off = h * self.U + i * info.block
+                word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, self.meta_off(off))
+                state = word & 3
+                if state == FREE:
+                    continue
+                if state not in (RESERVED, LIVE) or length > info.block:
+                    drop.add(off)
+                elif owner and self.ctx.slot_alive(owner):
+                    continue  # a live writer's block (in flight or being unpublished): it settles it
+                elif state == RESERVED:
+                    drop.add(off)
+                else:
+                    ask.append((d, off, word, owner))
+        if ask:
+            for (_, off, _, _), indexed in zip(ask, self.ctx.indexed_many(ask)):
+                if not indexed:
+                    drop.add(off)
         freed = 0
         co = self._cls_off(cid)
         self._set32(co + CLS_PARTIAL, 0)
-        heads = self.class_slabs(cid)
         used_total = 0
         for h in heads:
             s = self._slab(h)
@@ -547,22 +572,10 @@ class Allocator:
             for i in range(info.bps):
                 off = h * self.U + i * info.block
                 m = self.meta_off(off)
-                word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, m)
-                state = word & 3
-                if state == FREE:
+                (word,) = U64.unpack_from(self.mm, m)
+                if word & 3 == FREE:
                     continue
-                if state not in (RESERVED, LIVE) or length > info.block:
-                    drop = True
-                elif owner:
-                    if self.ctx.slot_alive(owner):
-                        drop = False
-                    else:
-                        drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
-                        if not drop:
-                            U16.pack_into(self.mm, m + 28, 0)
-                else:
-                    drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
-                if drop:
+                if off in drop:
                     store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1
@@ -581,7 +594,11 @@ class Allocator:
         return freed
 
     def resolve_owned(self, blocks, dead_owner: int) -> int:
-        """Reaping: settle blocks whose owner slot died. Returns blocks freed."""
+        """Reaping: settle blocks whose owner slot died. Returns blocks freed.
+
+        RESERVED blocks are freed; a LIVE block is kept (its owner cleared, under
+        the shard lock that pins its entry) if the index points at it, else freed.
+        """
         by_class: dict[int, list[int]] = {}
         for off in blocks:
             h, info = self.head_of(off)
@@ -590,6 +607,8 @@ class Allocator:
         freed = 0
         for cid, offs in by_class.items():
             with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+                settle = []  # (offset, block location, keep)
+                ask, where = [], {}
                 for off in offs:
                     loc = self.block_index(off)
                     if loc is None:
@@ -599,10 +618,16 @@ class Allocator:
                     owner = U16.unpack_from(self.mm, m + 28)[0]
                     if owner != dead_owner or word & 3 == FREE:
                         continue
-                    d = bytes(self.mm[m + 8:m + 24])
-                    if word & 3 == LIVE and self.ctx.indexed_at(d, off, word):
-                        U16.pack_into(self.mm, m + 28, 0)
+                    if word & 3 == LIVE:
+                        ask.append((bytes(self.mm[m + 8:m + 24]), off, word, dead_owner))
+                        where[off] = loc
                     else:
+                        settle.append((off, loc, False))
+                if ask:
+                    kept = self.ctx.indexed_many(ask)  # clears the owner of the indexed ones
+                    settle += [(off, where[off], k) for (_, off, _, _), k in zip(ask, kept)]
+                for off, loc, keep in settle:
+                    if not keep:
                         self._free_block(loc[0], loc[1], loc[2], off)
                         freed += 1
                     if _cp.ARMED is not None:
