@@ -87,7 +87,7 @@ def _repair_all(store, classes) -> int:
     finally:
         del words
     for s in range(g.index_shards):
-        kept, dropped = store.index.rebuild(s, store._entry_valid)
+        kept, dropped = store.index.rebuild(s, store._entry_valid, salvage=store._entry_salvage)
         fixes += dropped
     for c in classes:
         fixes += alloc.repair_class(c)

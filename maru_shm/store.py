@@ -19,7 +19,7 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
+from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, store_u64)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
@@ -279,9 +279,30 @@ class Store:
 
     def _shard_repair(self, shard: int):
         def repair():
-            self.index.rebuild(shard, self._entry_valid)
+            self.index.rebuild(shard, self._entry_valid, salvage=self._entry_salvage)
             self.count(repairs=1)
         return repair
+
+    def _entry_salvage(self, d: bytes, word: int, offset: int) -> int:
+        """Shard repair, for an entry whose word does not match its block: the word to restore, 0 to drop it.
+
+        An overwrite stores the new offset, then the new word. A publisher that dies between the two
+        leaves the new block's offset with the old block's word: the old block is already claimed (its
+        owner is the publisher, so reaping frees it) and the new block is LIVE, holds d and still names
+        its publisher as owner (cleared only after publication). That block is restored into the entry,
+        completing the publication; dropping the entry would lose the key (old and new value both).
+        Nothing can have freed and reused the block in between: every path that frees a LIVE block
+        either consults this shard under its lock (so this repair runs first) or holds a claim on it.
+        """
+        if not 0 <= offset < self.geo.data_bytes:
+            return 0
+        loc = self.alloc.block_index(offset)
+        if loc is None:
+            return 0
+        mword, md, length, owner, _ = META_STRUCT.unpack_from(self.mm, self.alloc.meta_off(offset))
+        if mword & 3 != LIVE or md != d or not owner or length > loc[1].block:
+            return 0
+        return mword
 
     def _entry_valid(self, d: bytes, word: int, offset: int) -> bool:
         if not 0 <= offset < self.geo.data_bytes:

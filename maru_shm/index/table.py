@@ -188,17 +188,24 @@ class Index:
                 out.append((pos, ed, word, offset))
         return out
 
-    def rebuild(self, shard: int, keep) -> tuple[int, int]:
+    def rebuild(self, shard: int, keep, salvage=None) -> tuple[int, int]:
         """Drop entries `keep(d, word, offset)` rejects and duplicates, re-insert the rest.
 
-        Returns (kept, dropped). Used by shard repair after a holder died mid-update.
+        `salvage(d, word, offset)`, if given, is asked about each rejected entry and may return the
+        word to keep it with instead (0: drop it). Returns (kept, dropped). Used by shard repair after
+        a holder died mid-update.
         """
         seen = {}
         dropped = 0
         for _, ed, word, offset in self.entries(shard):
-            if ed in seen or not keep(ed, word, offset):
+            if ed in seen:
                 dropped += 1
                 continue
+            if not keep(ed, word, offset):
+                word = salvage(ed, word, offset) if salvage is not None else 0
+                if not word:
+                    dropped += 1
+                    continue
             seen[ed] = (word, offset)
         start = self.entry_off(shard, 0)
         self.mm[start:start + self.shard_bytes] = bytes(self.shard_bytes)
