@@ -42,8 +42,10 @@ point                       where the process dies                              
                             returning the slab's units                                   freeing a slab
 ``slab.mid_move``           CLASS + POOL held: a slab of another class was evicted (its  formatting or freeing a
                             units are FREE), the new slab is not yet formatted           slab
-``slab.mid_format``         CLASS + POOL held: a new slab's HEAD is written, its TAIL    formatting or freeing a
-                            entries, slab count and partial list are not                 slab
+``slab.mid_format``         CLASS + POOL held: a new slab's TAILs and then its HEAD are  formatting or freeing a
+                            written, its slab count and partial list are not             slab
+``slab.mid_free``          CLASS + POOL held: an evicted slab's HEAD is FREE, its TAIL   formatting or freeing a
+                            entries are not (they point at a unit that is no HEAD)       slab
 ``reap.mid``                settling a dead slot's blocks: the first one is settled,     reaper dies mid-reap
                             the CLASS lock is held, the slot is not yet retired
 ``classtab.mid_declare``    CLASSTAB held: an exact-fit class entry is complete (kind   class declaration
@@ -88,6 +90,7 @@ POINTS = (
     "evict.mid",
     "slab.mid_move",
     "slab.mid_format",
+    "slab.mid_free",
     "reap.mid",
     "classtab.mid_declare",
     "init.mid_header",

@@ -488,6 +488,8 @@ class Allocator:
         self._partial_remove(info.cid, h)
         s = self._slab(h)
         self._set32(s, UNIT_FREE)  # commit point: the units are free
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_free")
         for t in range(h + 1, min(h + info.k, self.n_units)):
             if self._get32(self._slab(t)) == UNIT_TAIL:
                 self._set32(self._slab(t), UNIT_FREE)
