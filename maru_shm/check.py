@@ -10,6 +10,7 @@ process or index entry owns.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -57,6 +58,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
             if locks.acquire(lock_id):
                 dirty.append(lock_id)
             held.append(lock_id)
+        locks.all_held_by = threading.get_ident()  # repairs below ask the index without taking SHARD locks
         if repair:
             report.repaired += _repair_all(store, classes)
             dirty = []
@@ -64,6 +66,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
             report.problem(f"lock {lock_name(lock_id)}: left dirty by a process that died holding it")
         _check(store, report, progress)
     finally:
+        locks.all_held_by = 0
         for lock_id in reversed(held):
             locks.release(lock_id, clean=repair or lock_id not in dirty)
     return report
@@ -84,7 +87,7 @@ def _repair_all(store, classes) -> int:
     finally:
         del words
     for s in range(g.index_shards):
-        kept, dropped = store.index.rebuild(s, store._entry_valid)
+        kept, dropped = store.index.rebuild(s, store._entry_valid, salvage=store._entry_salvage)
         fixes += dropped
     for c in classes:
         fixes += alloc.repair_class(c)

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from . import crashpoints as _cp
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                      LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
@@ -92,6 +93,7 @@ class LockTable:
         self.off_records = off_records
         self.timeout = timeout
         self.slot_plus1 = 0  # set once this process has a proc slot
+        self.all_held_by = 0  # thread ident of a caller holding every lock (check), which must take none again
         self._threads: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
         self.timeouts = 0
@@ -142,11 +144,13 @@ class LockTable:
 
     def _mark(self, lock_id: int) -> bool:
         """Just acquired: note whether the last holder left the section dirty, then mark it ours."""
-        if lock_id >= LOCK_IDS:
-            return False
-        off = self.off_records + lock_id * LOCK_RECORD.size
-        holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
-        LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
+        holder = 0
+        if lock_id < LOCK_IDS:
+            off = self.off_records + lock_id * LOCK_RECORD.size
+            holder, _ = LOCK_RECORD.unpack_from(self.mm, off)
+            LOCK_RECORD.pack_into(self.mm, off, self.slot_plus1 or 0xFFFFFFFF, 0)
+        if _cp.ARMED is not None:
+            _cp.hit_lock(lock_name(lock_id).partition("[")[0])
         return holder != 0
 
     def release(self, lock_id: int, *, clean: bool = True) -> None:
@@ -194,6 +198,8 @@ class LockTable:
         dirty = idx[recs[idx, 0] != 0].tolist()
         recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
         recs[idx, 1] = 0
+        if _cp.ARMED is not None:
+            _cp.hit_lock(lock_name(ids[0]).partition("[")[0])
         return dirty
 
     def _records(self) -> np.ndarray:
@@ -216,6 +222,11 @@ class LockTable:
         An exception inside the block leaves every dirty mark set, as a crash would.
         """
         return _HeldMany(self, lock_ids, repair_for, timeout)
+
+    def holds_all(self) -> bool:
+        """Does the calling thread hold every lock (check(repair=True))? Then it must not take one again:
+        the per-id thread lock is not re-entrant."""
+        return self.all_held_by == threading.get_ident()
 
     def hold(self, lock_id: int, repair=None, timeout: float | None = None) -> "_Held":
         """Context manager: acquire, run `repair()` if the last holder died inside, release.

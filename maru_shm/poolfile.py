@@ -14,6 +14,7 @@ import os
 import stat
 import time
 
+from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError)
 from .format import (LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
                      Geometry)
@@ -116,6 +117,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         deadline = time.monotonic() + timeout
         while True:
             _take_init_lock(lock_fd, path, timeout)
+            if _cp.ARMED is not None:
+                _cp.hit_lock("INIT")
             try:
                 geo = _initialise_or_read(fd, path, is_device, size, create, plan_kwargs)
                 break
@@ -198,7 +201,13 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
 
 
 def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
-    """Zero the header regions, write the superblock with magic last and state=READY after it."""
+    """Zero the header regions, write magic first, then the superblock and class table, state=READY last.
+
+    Magic goes first so that a creator killed at any later instruction leaves "our own unfinished
+    header" (magic, not ready), which the next create=True initialises again; with magic written
+    late, a crash after the superblock body left a file that was neither zero nor ours, and every
+    later open refused it as a foreign file.
+    """
     mm = mmap.mmap(fd, geo.off_data, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         if is_device:  # a device is not zero-filled by ftruncate
@@ -206,14 +215,16 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
             for off in range(0, geo.off_data, chunk):
                 n = min(chunk, geo.off_data - off)
                 mm[off:off + n] = bytes(n)
+        mm[0:8] = MAGIC
         sb = geo.pack_superblock()
         mm[8:len(sb)] = sb[8:]
+        if _cp.ARMED is not None:
+            _cp.hit("init.mid_header")
         from .allocator.classes import geometric_sizes, slab_shape
         from .format import (CLASS_ENTRY, CLASS_STRUCT, KIND_GEOMETRIC)
         for cid, bsize in enumerate(geometric_sizes(geo.granule, geo.max_value)):
             k, n = slab_shape(bsize, geo.unit_size)
             CLASS_STRUCT.pack_into(mm, geo.off_classes + cid * CLASS_ENTRY, KIND_GEOMETRIC, k, bsize, n, 0, 0, 0, 0)
-        mm[0:8] = MAGIC
         U32.pack_into(mm, STATE_OFF, STATE_READY)
         if is_device:
             mm.flush()

@@ -11,13 +11,15 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from contextlib import nullcontext
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from . import crashpoints as _cp
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
+from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
@@ -177,6 +179,8 @@ class Store:
                     PROC_HEAD.pack_into(self.mm, o, 1, pid, _start_ticks(pid), time.time_ns(), os.geteuid())
                     self.slot = slot
                     self.locks.slot_plus1 = slot + 1
+                    if _cp.ARMED is not None:
+                        _cp.hit_lock("SLOT")
                     return
             # Every slot is claimed: some claimants may be dead (reaping is lazy). Reap, then look again.
             if attempt or not self.reap_dead():
@@ -225,6 +229,8 @@ class Store:
             if not ofd_trylock(self.locks.fd, SLOT_LOCK_BASE + slot):
                 continue  # alive (or being reaped by someone else)
             try:
+                if _cp.ARMED is not None:
+                    _cp.hit_lock("SLOT")
                 if PROC_HEAD.unpack_from(self.mm, self._slot_off(slot))[0] == 0:
                     continue
                 self._reap_slot(slot)
@@ -275,9 +281,30 @@ class Store:
 
     def _shard_repair(self, shard: int):
         def repair():
-            self.index.rebuild(shard, self._entry_valid)
+            self.index.rebuild(shard, self._entry_valid, salvage=self._entry_salvage)
             self.count(repairs=1)
         return repair
+
+    def _entry_salvage(self, d: bytes, word: int, offset: int) -> int:
+        """Shard repair, for an entry whose word does not match its block: the word to restore, 0 to drop it.
+
+        An overwrite stores the new offset, then the new word. A publisher that dies between the two
+        leaves the new block's offset with the old block's word: the old block is already claimed (its
+        owner is the publisher, so reaping frees it) and the new block is LIVE, holds d and still names
+        its publisher as owner (cleared only after publication). That block is restored into the entry,
+        completing the publication; dropping the entry would lose the key (old and new value both).
+        Nothing can have freed and reused the block in between: every path that frees a LIVE block
+        either consults this shard under its lock (so this repair runs first) or holds a claim on it.
+        """
+        if not 0 <= offset < self.geo.data_bytes:
+            return 0
+        loc = self.alloc.block_index(offset)
+        if loc is None:
+            return 0
+        mword, md, length, owner, _ = META_STRUCT.unpack_from(self.mm, self.alloc.meta_off(offset))
+        if mword & 3 != LIVE or md != d or not owner or length > loc[1].block:
+            return 0
+        return mword
 
     def _entry_valid(self, d: bytes, word: int, offset: int) -> bool:
         if not 0 <= offset < self.geo.data_bytes:
@@ -297,11 +324,53 @@ class Store:
         index = self.index
         shards = [index.shard_of(d) for d, _, _ in items]
         with self.locks.hold_many([SHARD_LOCK_BASE + s for s in set(shards)], repair_for=self._repair_shard_lock):
-            return [index.remove(s, d, offset=off, word=word) is not None
-                    for s, (d, off, word) in zip(shards, items)]
+            out = []
+            for s, (d, off, word) in zip(shards, items):
+                out.append(index.remove(s, d, offset=off, word=word) is not None)
+                if out[-1] and _cp.ARMED is not None:
+                    _cp.hit("evict.mid")  # after unpublishing a block of the victim window
+            return out
 
-    def indexed_at(self, d: bytes, offset: int, word: int) -> bool:
-        return self.index.find(d) == (word, offset)
+    def indexed_at(self, d: bytes, offset: int, word: int, disown: int = 0) -> bool:
+        """Is the block (offset, word) the published value of d? See indexed_many."""
+        return self.indexed_many([(d, offset, word, disown)])[0]
+
+    def indexed_many(self, blocks) -> list[bool]:
+        """Per (digest, offset, word, disown): is that block the published value of its digest?
+
+        Repairs and reaping ask this before freeing a LIVE block, so it is answered under the digest's
+        SHARD lock (one acquisition per shard; a dirty shard is repaired first): a lock-free probe can
+        miss an entry that another process's backward-shift delete is moving, or read a torn entry
+        that shard repair would restore, and the caller would free a published block. A "not indexed"
+        answer stays true after the lock is released (only a block's owner publishes it, and these
+        blocks are unowned or owned by a dead process); an indexed block can only be unpublished by
+        a process that claims it first. While the lock pins an indexed block, its owner is cleared if
+        it is still `disown` (nonzero): reaping a dead publisher's block must not wipe the claim of a
+        live process that unpublishes it just after.
+
+        Lock order: callers hold CLASS (and maybe POOL) locks, and SHARD comes after them. A caller
+        holding every lock (check(repair=True)) is answered without taking any.
+        """
+        out = [False] * len(blocks)
+        by_shard: dict[int, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_shard.setdefault(self.index.shard_of(b[0]), []).append(i)
+        holds_all = self.locks.holds_all()
+        mm, meta_off = self.mm, self.alloc.meta_off
+        for s, idxs in by_shard.items():
+            section = nullcontext() if holds_all else self.locks.hold(SHARD_LOCK_BASE + s,
+                                                                     repair=self._shard_repair(s))
+            with section:
+                for i in idxs:
+                    d, offset, word, disown = blocks[i]
+                    if self.index.find(d) != (word, offset):
+                        continue
+                    out[i] = True
+                    if disown:
+                        m = meta_off(offset)
+                        if U16.unpack_from(mm, m + 28)[0] == disown:
+                            U16.pack_into(mm, m + 28, 0)
+        return out
 
     # ---------------------------------------------------------------- sizes
     def declare_size(self, nbytes: int) -> int:
@@ -534,6 +603,7 @@ class Store:
         block words (each an aligned 8-byte store, FORMAT.md section 8), the
         disown of all published blocks.
         """
+        armed = _cp.ARMED  # crash-point hooks below cost one local test when unset
         n = len(pieces_list)
         res = [False] * n
         darr = self._digest_batch(keys, digests)
@@ -564,6 +634,8 @@ class Store:
                 offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
             placed_i += idxs[:len(offs)]
             placed_off += offs
+            if armed is not None:
+                _cp.hit("put.after_alloc")
         published: list[bool] = []
         to_free: list[tuple[int, int]] = []
         evicted = evicted_bytes = 0
@@ -583,16 +655,22 @@ class Store:
                 for addr, nb in pieces_list[i]:
                     memmove(dst, addr, nb)
                     dst += nb
+                    if armed is not None:
+                        _cp.hit("put.mid_copy")
             # commit every copied block: RESERVED -> LIVE with the next sequence, one 8-byte store each
             live = (((reserved >> 2) + 1) << 2) | LIVE
             words[gidx] = live
             lives = live.tolist()
             mine.update(zip(placed_off, lives))
+            if armed is not None:
+                _cp.hit("put.before_index")
             published, to_free, evicted, evicted_bytes = self._publish(
                 darr, digests, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res)
         for k, off in enumerate(placed_off):
             if not published[k]:
                 to_free.append((off, lives[k]))  # still owned by us until freed: a crash here is reaped
+        if armed is not None:
+            _cp.hit("put.before_free")
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)
@@ -654,6 +732,8 @@ class Store:
             # free it before we release them. Done after the locks (check, then clear), a replace +
             # free + re-reservation by another process could slip in between and we would wipe
             # *their* owner, making their in-flight block evictable under them.
+            if _cp.ARMED is not None:
+                _cp.hit("put.before_disown")
             pub = np.flatnonzero(np.array(published, dtype=bool))
             if len(pub):
                 self.alloc.meta_owners[gidx[pub]] = 0
@@ -685,6 +765,8 @@ class Store:
             removed = self.index.remove(s, d)
         if removed is None:
             return False
+        if _cp.ARMED is not None:
+            _cp.hit("delete.before_free")
         self.alloc.free_blocks([(removed[1], removed[0])])
         return True
 

@@ -18,6 +18,7 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
+from .. import crashpoints as _cp
 from .classes import EXACT_MIN_SLAB, slab_shape
 
 class ClassInfo:
@@ -128,6 +129,8 @@ class Allocator:
                     k, bps = slab_shape(n, self.U, min_bytes=EXACT_MIN_SLAB)
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
+                    if _cp.ARMED is not None:
+                        _cp.hit("classtab.mid_declare")
                     (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
                     U32.pack_into(self.mm, CLASSES_VERSION_OFF, (ver + 1) & 0xFFFFFFFF)
                     break
@@ -308,6 +311,8 @@ class Allocator:
                 u = self._evict_for(info)
                 if u is None:
                     break
+                if _cp.ARMED is not None:
+                    _cp.hit("slab.mid_move")
                 self._format_slab(u, info)
                 made += 1
         return made
@@ -336,6 +341,17 @@ class Allocator:
         return out
 
     def _format_slab(self, h: int, info: ClassInfo) -> None:
+        """CLASS and POOL held: make units h .. h+k-1 a slab of the class.
+
+        TAILs are written before the HEAD: once the HEAD exists, every block of the slab, including
+        those starting in a tail unit, must resolve (readers, free_blocks and reaping find a block's
+        slab through its unit). A crash before the HEAD leaves TAILs of a unit that is not a HEAD,
+        which POOL repair clears; a crash after it leaves only class-derived state (count, partial
+        list) stale, which class repair rebuilds.
+        """
+        if info.k > 1:  # tails: head pointer first, then the state (numpy: one pass each)
+            self.clsfield[h + 1:h + info.k] = h
+            self.states[h + 1:h + info.k] = UNIT_TAIL
         s = self._slab(h)
         self.mm[s:s + SLAB_ENTRY] = bytes(SLAB_ENTRY)
         self._set32(s + 4, info.cid)
@@ -343,9 +359,8 @@ class Allocator:
         self._set32(s + SLAB_NBLOCKS, info.bps)
         self.mm[s + SLAB_REF] = 1
         self._set32(s, UNIT_HEAD)  # commit point: the units now belong to the class
-        if info.k > 1:  # tails: head pointer first, then the state (numpy: one pass each)
-            self.clsfield[h + 1:h + info.k] = h
-            self.states[h + 1:h + info.k] = UNIT_TAIL
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_format")
         o = self._cls_off(info.cid) + CLS_NSLABS
         self._set32(o, self._get32(o) + 1)
         self._partial_push(info.cid, h)
@@ -499,6 +514,8 @@ class Allocator:
             self._partial_remove(info.cid, h)
             s = self._slab(h)
             self._set32(s, UNIT_FREE)  # commit point: the units are free
+            if _cp.ARMED is not None:
+                _cp.hit("slab.mid_free")
             for t in range(h + 1, min(h + info.k, self.n_units)):
                 if self._get32(self._slab(t)) == UNIT_TAIL:
                     self._set32(self._slab(t), UNIT_FREE)
@@ -539,15 +556,40 @@ class Allocator:
         """CLASS[cid] was left dirty (or `check --repair`): rebuild the class from block metas.
 
         Frees blocks of dead owners that never got published and LIVE blocks
-        the index does not point at; returns the number of blocks freed.
+        the index does not point at; returns the number of blocks freed. The
+        index is asked under each shard's lock (Store.indexed_many), once per
+        shard, after a first pass has picked the LIVE blocks whose fate depends
+        on it. Holding CLASS[cid], no block of the class changes between FREE
+        and not FREE meanwhile, and a LIVE block's word cannot change.
         """
         info = self.classes[cid] if cid < len(self.classes) else None
         if info is None:
             return 0
+        heads = self.class_slabs(cid)
+        drop: set[int] = set()
+        ask = []  # LIVE blocks kept only if indexed: (digest, offset, word, dead owner to clear or 0)
+        for h in heads:
+            for i in range(info.bps):
+                off = h * self.U + i * info.block
+                word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, self.meta_off(off))
+                state = word & 3
+                if state == FREE:
+                    continue
+                if state not in (RESERVED, LIVE) or length > info.block:
+                    drop.add(off)
+                elif owner and self.ctx.slot_alive(owner):
+                    continue  # a live writer's block (in flight or being unpublished): it settles it
+                elif state == RESERVED:
+                    drop.add(off)
+                else:
+                    ask.append((d, off, word, owner))
+        if ask:
+            for (_, off, _, _), indexed in zip(ask, self.ctx.indexed_many(ask)):
+                if not indexed:
+                    drop.add(off)
         freed = 0
         co = self._cls_off(cid)
         self._set32(co + CLS_PARTIAL, 0)
-        heads = self.class_slabs(cid)
         used_total = 0
         for h in heads:
             s = self._slab(h)
@@ -559,22 +601,10 @@ class Allocator:
             for i in range(info.bps):
                 off = h * self.U + i * info.block
                 m = self.meta_off(off)
-                word, d, length, owner, _ = META_STRUCT.unpack_from(self.mm, m)
-                state = word & 3
-                if state == FREE:
+                (word,) = U64.unpack_from(self.mm, m)
+                if word & 3 == FREE:
                     continue
-                if state not in (RESERVED, LIVE) or length > info.block:
-                    drop = True
-                elif owner:
-                    if self.ctx.slot_alive(owner):
-                        drop = False
-                    else:
-                        drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
-                        if not drop:
-                            U16.pack_into(self.mm, m + 28, 0)
-                else:
-                    drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
-                if drop:
+                if off in drop:
                     store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1
@@ -593,7 +623,11 @@ class Allocator:
         return freed
 
     def resolve_owned(self, blocks, dead_owner: int) -> int:
-        """Reaping: settle blocks whose owner slot died. Returns blocks freed."""
+        """Reaping: settle blocks whose owner slot died. Returns blocks freed.
+
+        RESERVED blocks are freed; a LIVE block is kept (its owner cleared, under
+        the shard lock that pins its entry) if the index points at it, else freed.
+        """
         by_class: dict[int, list[int]] = {}
         for off in blocks:
             h, info = self.head_of(off)
@@ -602,6 +636,8 @@ class Allocator:
         freed = 0
         for cid, offs in by_class.items():
             with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+                settle = []  # (offset, block location, keep)
+                ask, where = [], {}
                 for off in offs:
                     loc = self.block_index(off)
                     if loc is None:
@@ -611,12 +647,20 @@ class Allocator:
                     owner = U16.unpack_from(self.mm, m + 28)[0]
                     if owner != dead_owner or word & 3 == FREE:
                         continue
-                    d = bytes(self.mm[m + 8:m + 24])
-                    if word & 3 == LIVE and self.ctx.indexed_at(d, off, word):
-                        U16.pack_into(self.mm, m + 28, 0)
+                    if word & 3 == LIVE:
+                        ask.append((bytes(self.mm[m + 8:m + 24]), off, word, dead_owner))
+                        where[off] = loc
                     else:
+                        settle.append((off, loc, False))
+                if ask:
+                    kept = self.ctx.indexed_many(ask)  # clears the owner of the indexed ones
+                    settle += [(off, where[off], k) for (_, off, _, _), k in zip(ask, kept)]
+                for off, loc, keep in settle:
+                    if not keep:
                         self._free_block(loc[0], loc[1], loc[2], off)
                         freed += 1
+                    if _cp.ARMED is not None:
+                        _cp.hit("reap.mid")
         return freed
 
 

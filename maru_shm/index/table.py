@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import crashpoints as _cp
 from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
@@ -138,6 +139,8 @@ class Index:
             entries[sel, 1] = halves[ok, 1]
             entries[sel, 3] = offsets[ok]
             entries[sel, 2] = words[ok]  # publication: one aligned 8-byte store per entry
+            if _cp.ARMED is not None:
+                _cp.hit("index.mid_insert")  # published, shard counts not yet raised
             add = np.bincount(shards[ok], minlength=self.nshards)
             touched = np.flatnonzero(add)
             counts[touched] = counts[touched] + add[touched].astype(np.uint32)
@@ -164,10 +167,14 @@ class Index:
             self.mm[e:e + 16] = d
             store_u64(self.mm, e + 24, offset)
             store_u64(self.mm, e + 16, word)  # publication point (one 8-byte store)
+            if _cp.ARMED is not None:
+                _cp.hit("index.mid_insert")
             self._set_count(shard, self.count(shard) + 1)
             return None
         # A reader pairing the old word with the new offset fails block validation: a miss.
         store_u64(self.mm, e + 24, offset)
+        if _cp.ARMED is not None:
+            _cp.hit("index.mid_replace")
         store_u64(self.mm, e + 16, word)
         return found
 
@@ -201,6 +208,8 @@ class Index:
             mm[eh:eh + 16] = ed
             store_u64(mm, eh + 24, offset)
             store_u64(mm, eh + 16, word)
+            if _cp.ARMED is not None:
+                _cp.hit("index.mid_shift")  # the moved entry is in the hole and still at j: a duplicate
             hole = j
         eh = self.entry_off(shard, hole)
         store_u64(mm, eh + 16, 0)
@@ -235,17 +244,24 @@ class Index:
                 out.append((pos, ed, word, offset))
         return out
 
-    def rebuild(self, shard: int, keep) -> tuple[int, int]:
+    def rebuild(self, shard: int, keep, salvage=None) -> tuple[int, int]:
         """Drop entries `keep(d, word, offset)` rejects and duplicates, re-insert the rest.
 
-        Returns (kept, dropped). Used by shard repair after a holder died mid-update.
+        `salvage(d, word, offset)`, if given, is asked about each rejected entry and may return the
+        word to keep it with instead (0: drop it). Returns (kept, dropped). Used by shard repair after
+        a holder died mid-update.
         """
         seen = {}
         dropped = 0
         for _, ed, word, offset in self.entries(shard):
-            if ed in seen or not keep(ed, word, offset):
+            if ed in seen:
                 dropped += 1
                 continue
+            if not keep(ed, word, offset):
+                word = salvage(ed, word, offset) if salvage is not None else 0
+                if not word:
+                    dropped += 1
+                    continue
             seen[ed] = (word, offset)
         start = self.entry_off(shard, 0)
         self.mm[start:start + self.shard_bytes] = bytes(self.shard_bytes)

@@ -535,3 +535,63 @@ def test_check_of_a_pool_in_use_reports_no_false_problems(pool_path, children):
         if other:  # anything but the known false orphans is a real failure, not the expected one
             raise RuntimeError(f"check() of a pool in use: {other}")
         assert problems == [], f"after {checks} checks: {problems}"
+
+
+# ---------------------------------------------------------------- repairs ask the index under the shard lock
+
+def _slow_backward_shift(path, da, hole, ready_fd, class_lock, fake_holder):
+    """Delete `da` (the head of a two-entry cluster) as a backward shift that pauses after its first
+    store (the hole emptied, the next entry not yet moved into it) until a repair is under way."""
+    from maru_shm.format import LOCK_RECORD, SHARD_LOCK_BASE, store_u64
+    s = Store.open(path, timeout=20)
+    sh = s.index.shard_of(da)
+    s.locks.acquire(SHARD_LOCK_BASE + sh)
+    word, off = s.index.find(da)
+    s._claim_for_free(off, word)
+    e = s.index.entry_off(sh, hole)
+    store_u64(s.mm, e + 16, 0)  # first store of the shift: a lock-free probe for the next key stops here
+    os.write(ready_fd, b"1")
+    rec = s.geo.off_locks + class_lock * LOCK_RECORD.size
+    deadline = time.monotonic() + 15
+    while LOCK_RECORD.unpack_from(s.mm, rec)[0] == fake_holder and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the other process is inside the class lock, repairing
+    time.sleep(0.3)  # a lock-free repair would have decided by now
+    store_u64(s.mm, e + 16, word)
+    assert s.index.remove(sh, da) == (word, off)  # the whole shift, properly
+    s.locks.release(SHARD_LOCK_BASE + sh)
+    s.alloc.free_blocks([(off, word)])
+    s.close()
+
+
+def test_class_repair_waits_for_a_backward_shift_in_progress(pool_path, children):
+    """Class repair keeps a LIVE block only if the index points at it. Asked without the shard lock
+    while another process is shifting that shard's entries back, the index can answer "not indexed"
+    for a published block, and the repair frees it: the key is lost. Asked under the lock, it waits."""
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+    with Store.open(pool_path, "8M", create=True, timeout=20) as s:
+        seen, i = {}, 0
+        while True:  # two keys with the same shard and home slot: b sits right after a
+            d = key_digest(f"k{i}")
+            where = (s.index.shard_of(d), s.index.home_of(d))
+            if where in seen:
+                a, b = seen[where], f"k{i}"
+                break
+            seen[where] = f"k{i}"
+            i += 1
+        va, vb = make_value(a, 1, 5000), make_value(b, 1, 5000)
+        assert s.put(a, va) and s.put(b, vb)
+        cid = s.alloc.class_for(5000).cid
+        r, w = os.pipe()
+        fake = 0xFFFF  # a dead holder left the class lock dirty (as a crash inside allocate would)
+        LOCK_RECORD.pack_into(s.mm, s.geo.off_locks + (CLASS_LOCK_BASE + cid) * LOCK_RECORD.size, fake, 0)
+        pid = children.fork(_slow_backward_shift, pool_path, key_digest(a), where[1], w,
+                            CLASS_LOCK_BASE + cid, fake)
+        os.close(w)
+        assert os.read(r, 1) == b"1", children.error(pid)
+        os.close(r)
+        assert s.get(b) is None  # a lock-free lookup of b misses right now: the hole stops the probe
+        assert s.put("other", make_value("other", 1, 5000))  # takes the dirty class lock: class repair
+        children.wait_ok(pid)
+        assert s.get(a) is None
+        assert s.get(b) == vb, "class repair freed a published block during another process's shift"
+        assert_clean(s)
