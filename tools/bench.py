@@ -450,6 +450,10 @@ def render_scaling(r: dict) -> list[str]:
     sc, nc = r.get("scales"), r.get("no_collapse")
     if sc:
         cs = f" (copy limit x{sc['copy_speedup']:.2f})" if sc.get("copy_speedup") else ""
+        if sc.get("cpu_speedup"):
+            cs += f"; CPU the machine gave: pure-Python loop x{sc['cpu_speedup']:.2f}"
+            if sc.get("speedup_of_cpu_gain") is not None:
+                cs += f", ours used {sc['speedup_of_cpu_gain'] * 100:.0f} % of that gain"
         lines.append(f"scaling   scales to the core count: x{sc['speedup']:.2f} at {sc['at_processes']} processes "
                      f"over 1{cs}; goal >= x{sc['goal']:.2g} {_met(sc['met'])}")
     else:
