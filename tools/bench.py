@@ -434,6 +434,7 @@ def render_scaling(r: dict) -> list[str]:
              f"{r['cores']} cores, {r['duration_s']:g} s per round, {r['repeat']} rounds (median [min-max])"]
     base = r["points"][0]["ops_s"]["median"] if r["points"] else 0
     cbase = r["points"][0]["copy_ops_s"]["median"] if r["points"] else 0
+    pbase = r["points"][0]["ops_per_cpu_s"]["median"] if r["points"] else 0
     for p in r["points"]:
         o, c = p["ops_s"], p["copy_ops_s"]
         lines.append(
@@ -447,11 +448,15 @@ def render_scaling(r: dict) -> list[str]:
             f"of the time), of which waiting {p['lock_wait_us_per_op']['median']:.1f} us/op "
             f"({p['lock_wait_share']['median'] * 100:.0f} %); {p['acquires_waited']['median'] * 100:.1f} % of "
             f"acquisitions found the lock taken")
+        lines.append(
+            f"            CPU: cores busy {p['cores_busy']['median']:.2f} (copy rounds "
+            f"{p['copy_cores_busy']['median']:.2f}); {p['ops_per_cpu_s']['median']:,.0f} ops per CPU-second "
+            f"(x{p['ops_per_cpu_s']['median'] / pbase:.2f} of 1 process)")
     sc, nc = r.get("scales"), r.get("no_collapse")
     if sc:
         cs = f" (copy limit x{sc['copy_speedup']:.2f})" if sc.get("copy_speedup") else ""
         if sc.get("cpu_speedup"):
-            cs += f"; CPU the machine gave: pure-Python loop x{sc['cpu_speedup']:.2f}"
+            cs += f"; CPU the machine gave (copy rounds' CPU time) x{sc['cpu_speedup']:.2f}"
             if sc.get("speedup_of_cpu_gain") is not None:
                 cs += f", ours used {sc['speedup_of_cpu_gain'] * 100:.0f} % of that gain"
         lines.append(f"scaling   scales to the core count: x{sc['speedup']:.2f} at {sc['at_processes']} processes "

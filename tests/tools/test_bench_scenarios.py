@@ -121,7 +121,7 @@ def test_scaling_structure_and_sanity(scaling_result):
     assert [p["processes"] for p in r["points"]] == [1, 2]
     assert r["cores"] >= 1 and r["value_bytes"] == 128 << 10
     for p in r["points"]:
-        for key in ("ops_s", "copy_ops_s", "cpu_ops_s", "p50_us", "p99_us", "copy_p99_us"):
+        for key in ("ops_s", "copy_ops_s", "cores_busy", "copy_cores_busy", "p50_us", "p99_us", "copy_p99_us"):
             assert p[key]["median"] > 0 and p[key]["spread"][0] <= p[key]["median"] <= p[key]["spread"][1]
         assert p["p50_us"]["median"] <= p["p99_us"]["median"]
         # a get racing an overwrite of its key may miss (Index.put: a torn word/offset pair is a miss)
@@ -135,7 +135,7 @@ def test_scaling_structure_and_sanity(scaling_result):
 def _pt(n, ops, copy, cpu=None):
     p = {"processes": n, "ops_s": {"median": ops}, "copy_ops_s": {"median": copy}}
     if cpu is not None:
-        p["cpu_ops_s"] = {"median": cpu}
+        p["copy_cores_busy"] = {"median": cpu}
     return p
 
 
@@ -146,7 +146,7 @@ def test_scaling_verdict():
     assert v["met"]
     v = verdict([_pt(1, 100, 1000), _pt(2, 120, 1900), _pt(4, 90, 1900), _pt(8, 50, 1800)], 2)
     assert not v["scales"]["met"] and not v["no_collapse"]["met"] and v["met"] is False
-    v = verdict([_pt(1, 100, 1000, 50), _pt(2, 140, 1900, 90)], 2)
+    v = verdict([_pt(1, 100, 1000, 1.0), _pt(2, 140, 1900, 1.8)], 2)
     assert v["scales"]["cpu_speedup"] == pytest.approx(1.8)
     assert v["scales"]["speedup_of_cpu_gain"] == pytest.approx(0.4 / 0.8)
     v = verdict([_pt(1, 100, 1000), _pt(2, 90, 900)], 1)  # one core: nothing to scale to
