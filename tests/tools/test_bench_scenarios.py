@@ -83,10 +83,13 @@ def test_zipf_trace_is_seeded_and_skewed():
 
 
 # --------------------------------------------------------------------------- eviction, tiny
+EVICT_TAG = f"maru-test-evict-{uuid.uuid4().hex[:8]}"  # per xdist worker: other workers run the same fixture
+SCALING_TAG = f"maru-test-scaling-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def eviction_result():
-    prefix = f"/dev/shm/maru-test-evict-{uuid.uuid4().hex[:8]}"
-    return eviction([16 << 20, 32 << 20], n_keys=300, n_requests=3000, path_prefix=prefix)
+    return eviction([16 << 20, 32 << 20], n_keys=300, n_requests=3000, path_prefix=f"/dev/shm/{EVICT_TAG}")
 
 
 def test_eviction_structure_and_sanity(eviction_result):
@@ -106,14 +109,13 @@ def test_eviction_structure_and_sanity(eviction_result):
         assert p["evictions"] > 0
         w = p["windows"]
         assert w is not None and w["evictions"] > 0 and 0 <= w["referenced_share"] <= 1
-    assert not any(f.startswith("maru-test-evict") for f in os.listdir("/dev/shm"))
+    assert not any(f.startswith(EVICT_TAG) for f in os.listdir("/dev/shm"))
 
 
 # --------------------------------------------------------------------------- scaling, tiny
 @pytest.fixture(scope="module")
 def scaling_result():
-    pool = f"/dev/shm/maru-test-scaling-{uuid.uuid4().hex[:8]}"
-    return scaling((1, 2), duration=0.2, repeat=1, n_keys=16, pool=pool, pool_bytes=32 << 20)
+    return scaling((1, 2), duration=0.2, repeat=1, n_keys=16, pool=f"/dev/shm/{SCALING_TAG}", pool_bytes=32 << 20)
 
 
 def test_scaling_structure_and_sanity(scaling_result):
@@ -129,7 +131,7 @@ def test_scaling_structure_and_sanity(scaling_result):
         assert p["lock_us_per_op"]["median"] > 0  # the child-side meter saw the puts' locks
         assert 0 <= p["lock_wait_share"]["median"] <= p["lock_share"]["median"] <= 1
     assert r["points"][0]["lock_wait_us_per_op"]["median"] == 0  # alone, nobody to wait for
-    assert not any(f.startswith("maru-test-scaling") for f in os.listdir("/dev/shm"))
+    assert not any(f.startswith(SCALING_TAG) for f in os.listdir("/dev/shm"))
 
 
 def _pt(n, ops, copy, cpu=None):
