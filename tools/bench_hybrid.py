@@ -160,12 +160,15 @@ def hybrid(pool_size: int, seed: int = 7, path: str | None = None) -> dict:
     largest = max(page_bytes.values())
     fixed, fixed_usable = _simulate_slots(sizes, pool_size, lambda b: largest)
     pow2, pow2_usable = _simulate_slots(sizes, pool_size, lambda b: max(4096, 1 << max(b - 1, 0).bit_length()))
+    chunk = 1 << 20  # Maru: a value takes whole fixed 1 MiB chunks (an empty marker still one chunk)
+    maru_1m, maru_1m_usable = _simulate_slots(sizes, pool_size, lambda b: max(1, -(-b // chunk)) * chunk)
     ours = min(samples + [st["utilization"]])
     small = min(page_bytes.values())
     return {"pool_bytes": pool_size, "written_bytes": written, "requests": requests, "pages": len(sizes),
             "page_bytes": page_bytes, "size_spread": largest / small, "ours": ours, "ours_final": st["utilization"],
             "fixed_slots": fixed, "fixed_slot_bytes": largest, "pow2_classes": pow2, "goal": 0.90,
             "fixed_slots_usable": fixed_usable, "pow2_classes_usable": pow2_usable,
+            "maru_1m": maru_1m, "maru_1m_usable": maru_1m_usable,
             "met": ours >= 0.90, "usable_final": usable / st["file_bytes"],
             "evictions": st["evictions"], "put_failures": failed,
             "last_request_hit_pages": [last.kv_hit_pages, n]}

@@ -227,6 +227,7 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
                     xs.append(time.perf_counter() - t0)
                     assert n == want, (name, label, n)
                 res[f"{label}_{name}"] = statistics.median(xs)
+                res[f"{label}_{name}_spread"] = [min(xs), max(xs)]
             res[f"{label}_ratio"] = res[f"{label}_file"] / res[f"{label}_maru"]
         return res
     finally:

@@ -376,8 +376,11 @@ def cmd_destroy(args) -> int:
 
 # --------------------------------------------------------------------------- bench
 def cmd_bench(bench_args: list[str]) -> int:
+    import importlib
     try:
-        import tools.bench as bench
+        # import_module reads sys.modules first; `import tools.bench as bench` would prefer the attribute
+        # the package got when another caller imported it, so a stand-in in sys.modules would be ignored
+        bench = importlib.import_module("tools.bench")
     except ModuleNotFoundError as e:
         if e.name in ("tools.bench",):
             _warn("bench is unavailable: tools/bench.py is not installed with this copy of maru-shm")
