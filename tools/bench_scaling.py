@@ -56,8 +56,8 @@ class _LockMeter:
         pc = time.perf_counter_ns
         meter = self
 
-        def trylock(fd, lock_id):
-            ok = orig_try(fd, lock_id)
+        def trylock(fd, lock_id, n=1):
+            ok = orig_try(fd, lock_id, n)
             if not ok:
                 meter._busy = True
             return ok
@@ -75,8 +75,24 @@ class _LockMeter:
                     meter.wait_ns += dt
                     meter.waited += 1
 
-        locks.ofd_trylock = trylock  # acquire() looks the name up in its module at call time
+        orig_many = locks.LockTable.acquire_many
+
+        def acquire_many(self, lock_ids, **kw):  # a batch taking several shard locks together
+            meter._busy = False
+            t0 = pc()
+            try:
+                return orig_many(self, lock_ids, **kw)
+            finally:
+                dt = pc() - t0
+                meter.acquire_ns += dt
+                meter.acquires += 1
+                if meter._busy:
+                    meter.wait_ns += dt
+                    meter.waited += 1
+
+        locks.ofd_trylock = trylock  # the lock paths look the name up in their module at call time
         locks.LockTable.acquire = acquire
+        locks.LockTable.acquire_many = acquire_many
 
     def take(self) -> tuple[int, int, int, int]:
         r = (self.acquire_ns, self.wait_ns, self.acquires, self.waited)
@@ -169,10 +185,19 @@ def _worker(rank: int, pool: str, copy_path: str, n_keys: int, barrier, conn) ->
 
 
 def _round(conns, barrier, mode: str, duration: float, seed: int) -> dict:
+    """One timed round in every worker; a worker that died fails the round instead of hanging it."""
+    limit = 60 + 4 * duration
     for c in conns:
         c.send(("run", mode, duration, seed))
-    barrier.wait()
-    res = [c.recv() for c in conns]
+    try:
+        barrier.wait(timeout=limit)
+    except Exception as e:  # threading.BrokenBarrierError: a worker never arrived
+        raise RuntimeError("scaling worker did not start its round (it died: see its traceback above)") from e
+    res = []
+    for c in conns:
+        if not c.poll(limit):
+            raise RuntimeError("scaling worker did not finish its round")
+        res.append(c.recv())
     lat = np.concatenate([np.frombuffer(r["lat"], dtype=np.int64) for r in res])
     is_get = np.concatenate([np.frombuffer(r["is_get"], dtype=bool) for r in res])
 
