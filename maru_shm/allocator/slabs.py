@@ -406,8 +406,8 @@ class Allocator:
 
         The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit,
         blocks by index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is
-        cleared as the hand passes. One sweep of at most two passes over the class's blocks collects
-        the victims (the second pass takes the blocks whose `ref` the first cleared); RESERVED, FREE
+        cleared as the hand passes. One sweep of at most two passes over the class's blocks (read in
+        chunks from the hand, stopping at the m-th victim) collects the victims (the second pass takes the blocks whose `ref` the first cleared); RESERVED, FREE
         and owned blocks are skipped. The victims are unpublished in one round of their shard locks
         (CLASS -> SHARD is the lock order), then freed: word bumped first, so a reader that found the
         entry before it went fails its second word check. Returns the number of blocks freed.
@@ -416,40 +416,48 @@ class Allocator:
         heads = np.asarray(self.class_slabs(cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
-        offs = (heads[:, None] * self.U + np.arange(bps, dtype=np.int64) * info.block).ravel()
-        n = len(offs)
+        n = len(heads) * bps
         co = self._cls_off(cid)
         (hand,) = U64.unpack_from(self.mm, co + CLS_HAND)
         j = int(np.searchsorted(heads, hand >> 8))
         p = j * bps + ((hand & 0xFF) if j < len(heads) and heads[j] == hand >> 8 and (hand & 0xFF) < bps else 0)
         p %= n
-        order = np.concatenate((offs[p:], offs[:p]))
-        g = order // self.G
-        q = self.meta_q[g]
-        words, w3 = q[:, 0], q[:, 3]
-        owner = (w3 >> np.uint64(32)) & np.uint64(0xFFFF)
-        ref = ((w3 >> np.uint64(48)) & np.uint64(0xFF)) != 0
-        elig = ((words & np.uint64(3)) == LIVE) & (owner == 0)
-        first = np.flatnonzero(elig & ~ref)
-        passed = elig & ref  # candidates with a second chance: their ref is cleared as the hand passes
-        if len(first) >= m:  # one pass is enough: the hand stops after the m-th victim
-            pick = first[:m]
-            end = int(pick[-1]) + 1
-            self.meta_refs[g[:end][passed[:end]]] = 0
-        else:  # the first pass clears every ref; the second takes the blocks it cleared, in order
-            second = np.flatnonzero(passed)[:m - len(first)]
-            pick = np.concatenate((first, second))
-            self.meta_refs[g[passed]] = 0
-            end = int(second[-1]) + 1 if len(second) else n
-        pos = (p + end) % n
+        # The ring is read in chunks from the hand (a large class is not read whole to find a few
+        # victims); a chunk never spans the end of the first pass, so the second pass re-reads the
+        # ref bits the first one cleared. Positions t in [0, 2n): ring index (p + t) mod n.
+        chunk = max(4 * m, 512)
+        picked: list[np.ndarray] = []
+        vq_parts: list[np.ndarray] = []
+        got = t = 0
+        while t < 2 * n and got < m:
+            t1 = min(t + chunk, n if t < n else 2 * n)
+            ring = (p + np.arange(t, t1, dtype=np.int64)) % n
+            g = (heads[ring // bps] * self.U + (ring % bps) * info.block) // self.G
+            q = self.meta_q[g]
+            w3 = q[:, 3]
+            owner = (w3 >> np.uint64(32)) & np.uint64(0xFFFF)
+            ref = ((w3 >> np.uint64(48)) & np.uint64(0xFF)) != 0
+            elig = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0)
+            if t >= n and picked:
+                elig &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
+            vict = np.flatnonzero(elig & ~ref)[:m - got]
+            got += len(vict)
+            end = int(vict[-1]) + 1 if got == m else len(ring)
+            passed = (elig & ref)[:end]  # second chances: cleared as the hand passes
+            self.meta_refs[g[:end][passed]] = 0
+            if len(vict):
+                picked.append(ring[vict])
+                vq_parts.append(q[vict])
+            t += end
+        pos = (p + t) % n
         U64.pack_into(self.mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
-        if not len(pick):
+        if not got:
             return 0
-        vq = q[pick]
-        idx = (p + pick) % n
+        idx = np.concatenate(picked)
+        vq = np.concatenate(vq_parts)
         vheads = heads[idx // bps].tolist()
         vindex = (idx % bps).tolist()
-        victims = order[pick].tolist()
+        victims = (heads[idx // bps] * self.U + (idx % bps) * info.block).tolist()
         vwords = vq[:, 0].tolist()
         digs = vq[:, 1:3].copy().tobytes()
         lens = (vq[:, 3] & np.uint64(0xFFFFFFFF)).tolist()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from maru_shm.allocator.classes import geometric_sizes
 from maru_shm.index import key_digest
 
@@ -257,4 +259,40 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     print(f"\nB's slab share {share_b:.3f}, {moves} slab moves for {b_puts} puts of B")
     assert 0.35 <= share_b <= 0.65, share_b
     assert 0 < moves < b_puts / 4, (moves, b_puts)
+    assert_clean(s)
+
+
+def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
+    """A class of ~900 blocks (the sweep reads 512 at a time). With every ref bit set but on three
+    blocks far apart (100, 600, 800), the victims are exactly those three, in ring order from the hand, and only the
+    ref bits the hand passed are cleared. With every ref bit set, the second pass takes the blocks
+    at the hand, and the first pass has cleared every bit."""
+    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    s = open_store("16M")
+    size = 16 * KiB
+    s.declare_size(size)
+    info, n = _fill_one_class(s, size)
+    a = s.alloc
+    ring = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    assert len(ring) > 850
+    g = np.array([o // s.geo.granule for o in ring])
+    owner_of = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
+    U64.pack_into(s.mm, a._cls_off(info.cid) + CLS_HAND, 0)  # the hand at the first block
+    a.meta_refs[g] = 1
+    cold = [100, 600, 800]
+    a.meta_refs[g[cold]] = 0
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, 3) == 3
+    assert [s.get(owner_of[ring[i]]) for i in cold] == [None] * 3
+    refs = a.meta_refs[g]
+    assert not refs[:801].any() and refs[801:].all(), "cleared exactly up to the last victim"
+    hand = U64.unpack_from(s.mm, a._cls_off(info.cid) + CLS_HAND)[0]
+    assert (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block == ring[801]
+    a.meta_refs[g] = 1
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, 2) == 2
+    live = np.setdiff1d(np.arange(len(ring)), cold)  # the three blocks freed above are FREE: skipped
+    assert not a.meta_refs[g[live]].any() and a.meta_refs[g[cold]].all()
+    assert s.get(owner_of[ring[801]]) is None and s.get(owner_of[ring[802]]) is None
+    assert check_value(owner_of[ring[803]], s.get(owner_of[ring[803]]))
     assert_clean(s)
