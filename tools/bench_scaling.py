@@ -56,8 +56,8 @@ class _LockMeter:
         pc = time.perf_counter_ns
         meter = self
 
-        def trylock(fd, lock_id):
-            ok = orig_try(fd, lock_id)
+        def trylock(fd, lock_id, n=1):  # same signature as locks.ofd_trylock (n ids at once)
+            ok = orig_try(fd, lock_id, n)
             if not ok:
                 meter._busy = True
             return ok
