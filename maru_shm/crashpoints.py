@@ -39,7 +39,12 @@ point                       where the process dies                              
                             into the hole, the source is not yet emptied
 ``evict.mid``               CLASS + POOL held: slab CLOCK eviction has unpublished the   orphan (LIVE, unowned,
                             first LIVE block of a slab, before freeing it and before     unindexed) + formatting or
-                            returning the slab's units                                   freeing a slab
+                            returning the slab's units (also reached, with CLASS held    freeing a slab
+                            only, by eviction within a class: evict.block_mid's path)
+``evict.block_mid``         CLASS held: eviction within a class (block CLOCK) has         after unpublish, before
+                            unpublished its victims (one round of shard locks) and      free / orphan (LIVE,
+                            freed the first N of them; the rest are LIVE, unowned,      unowned, unindexed)
+                            unindexed
 ``slab.mid_move``           CLASS + POOL held: a slab of another class was evicted (its  formatting or freeing a
                             units are FREE), the new slab is not yet formatted           slab
 ``slab.mid_format``         CLASS + POOL held: a new slab's TAILs and then its HEAD are  formatting or freeing a
@@ -88,6 +93,7 @@ POINTS = (
     "delete.before_free",
     "index.mid_shift",
     "evict.mid",
+    "evict.block_mid",
     "slab.mid_move",
     "slab.mid_format",
     "slab.mid_free",

@@ -23,6 +23,8 @@ STATE_OFF = 256
 SLAB_HAND_OFF = 260
 CLASSES_VERSION_OFF = 264
 RETIRED_OFF = 272
+DEMAND_EPOCH_OFF = 400  # u32: demand epoch (hint, no lock): class demand counters halve once per epoch
+DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no lock)
 STATE_READY = 2
 
 FLAG_DEVICE = 1
@@ -42,6 +44,7 @@ CLASS_ENTRY = 64
 CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head nslabs used declared_ns
 CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
 CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
+CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = 40, 48, 56  # block CLOCK hand u64, decayed demand u64, its epoch u32
 KIND_UNUSED, KIND_GEOMETRIC, KIND_EXACT = 0, 1, 2
 
 # --- process table -------------------------------------------------------

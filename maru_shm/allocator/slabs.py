@@ -13,13 +13,24 @@ import time
 
 import numpy as np
 
-from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS,
-                      CLS_PARTIAL, CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
+from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_DEMAND,
+                      CLS_DEMAND_EPOCH, CLS_HAND, CLS_NSLABS, CLS_PARTIAL, CLS_USED, DEMAND_ACC_OFF,
+                      DEMAND_EPOCH_OFF, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
                       LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
 from .. import crashpoints as _cp
 from .classes import EXACT_MIN_SLAB, slab_shape
+
+# Demand counters (FORMAT.md section 4): every class's counter halves each time the pool has allocated
+# data_bytes / DEMAND_EPOCH_DIV bytes (an epoch).
+DEMAND_EPOCH_DIV = 4
+# A class that must evict takes a slab from the pool (slab CLOCK) instead of evicting its own blocks
+# while it is short of its share of demand d (a fraction) by more than min(MOVE_RATIO x d, MOVE_ABS)
+# of the slab bytes (FORMAT.md section 8).
+MOVE_RATIO = 0.5
+MOVE_ABS = 0.05
+
 
 class ClassInfo:
     __slots__ = ("cid", "kind", "k", "block", "bps")
@@ -52,6 +63,17 @@ class Allocator:
         self.meta_words = self.meta_q[:, 0]
         self.meta_owners = np.ndarray((n_gran,), dtype="<u2", buffer=self.mm, offset=g.off_blockmeta + META_OWNER_OFF,
                                       strides=(META_SIZE,))
+        self.meta_refs = np.ndarray((n_gran,), dtype=np.uint8, buffer=self.mm, offset=g.off_blockmeta + 30,
+                                    strides=(META_SIZE,))
+        # class table columns (slab moves compare every class's slab bytes and demand)
+        cap, oc = g.class_cap, g.off_classes
+        self.cls_k = np.ndarray((cap,), dtype="<u4", buffer=self.mm, offset=oc + 4, strides=(CLASS_ENTRY,))
+        self.cls_nslabs = np.ndarray((cap,), dtype="<u4", buffer=self.mm, offset=oc + CLS_NSLABS,
+                                     strides=(CLASS_ENTRY,))
+        self.cls_demand = np.ndarray((cap,), dtype="<u8", buffer=self.mm, offset=oc + CLS_DEMAND,
+                                     strides=(CLASS_ENTRY,))
+        self.cls_epoch = np.ndarray((cap,), dtype="<u4", buffer=self.mm, offset=oc + CLS_DEMAND_EPOCH,
+                                    strides=(CLASS_ENTRY,))
         self.classes: list[ClassInfo | None] = []
         self.geo_sizes: list[int] = []
         self.exact: dict[int, int] = {}
@@ -61,6 +83,7 @@ class Allocator:
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
         self.states = self.clsfield = self.meta_q = self.meta_words = self.meta_owners = None
+        self.meta_refs = self.cls_k = self.cls_nslabs = self.cls_demand = self.cls_epoch = None
 
     # -- class table -----------------------------------------------------------
     def refresh_classes(self) -> None:
@@ -245,14 +268,14 @@ class Allocator:
         cid = info.cid
         out: list[int] = []
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
+            self._add_demand(cid, len(items) * info.block)
             while len(out) < len(items):
                 head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
                 if head == 0 or head - 1 >= self.n_units:
                     if head:
                         self.repair_class(cid)
                         continue
-                    need = -(-(len(items) - len(out)) // info.bps)
-                    if not self._new_slabs(info, need):
+                    if not self._make_room(info, len(items) - len(out)):
                         break
                     continue
                 h = head - 1
@@ -266,7 +289,7 @@ class Allocator:
                     bits[free] = 1
                     self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
                     offs = (h * self.U + free * info.block).tolist()
-                    # reserve now, not after the loop: making room for the rest (_new_slabs) may evict slabs
+                    # reserve now, not after the loop: making room for the rest (_make_room) may evict slabs
                     # of this very class, and a taken block must already carry its owner to be spared
                     self._reserve_many(offs, items[len(out):len(out) + got], owner)
                     out += offs
@@ -297,25 +320,166 @@ class Allocator:
         lengths = np.fromiter((n for _, n in items), dtype=np.uint64, count=len(offsets))
         q[g, 3] = (q[g, 3] & np.uint64(0xFF << 56)) | lengths | np.uint64(owner << 32)  # ref 0, byte 31 kept
 
-    def _new_slabs(self, info: ClassInfo, count: int) -> int:
-        """Format up to `count` new slabs for the class in one POOL round (evicting if needed).
+    # -- making room: new slab, slab move, or eviction within the class ------------------------
+    def _add_demand(self, cid: int, nbytes: int) -> None:
+        """CLASS[cid] held: add an allocation's bytes to the class's decayed demand (FORMAT.md section 4).
 
-        CLASS lock held. Returns how many slabs were formatted (0: no room could be made).
+        The pool-wide epoch and its byte accumulator are hints written without a lock (a lost update
+        only shifts when the next halving happens). The class counter is decayed lazily: it holds its
+        value as of `epoch`, and is halved once per epoch passed since.
         """
-        made = 0
+        (epoch,) = U32.unpack_from(self.mm, DEMAND_EPOCH_OFF)
+        (acc,) = U64.unpack_from(self.mm, DEMAND_ACC_OFF)
+        acc += nbytes
+        if acc >= max(1, self.geo.data_bytes // DEMAND_EPOCH_DIV):
+            epoch = (epoch + 1) & 0xFFFFFFFF
+            U32.pack_into(self.mm, DEMAND_EPOCH_OFF, epoch)
+            acc = 0
+        U64.pack_into(self.mm, DEMAND_ACC_OFF, acc)
+        co = self._cls_off(cid)
+        (dem,) = U64.unpack_from(self.mm, co + CLS_DEMAND)
+        (ep,) = U32.unpack_from(self.mm, co + CLS_DEMAND_EPOCH)
+        dem >>= min(63, (epoch - ep) & 0xFFFFFFFF)
+        U64.pack_into(self.mm, co + CLS_DEMAND, min(dem + nbytes, 2**63))
+        U32.pack_into(self.mm, co + CLS_DEMAND_EPOCH, epoch)
+
+    def should_move(self, info: ClassInfo) -> bool:
+        """The rule (FORMAT.md section 8): take a slab from the pool rather than evict within the class?
+
+        Yes when the class has no slab, or when its share of the bytes in slabs falls short of its
+        share d of the (decayed) demand of all classes by more than min(MOVE_RATIO x d, MOVE_ABS):
+        by more than half for a class with a small share (noise in a small class's demand must not
+        trade slabs back and forth: every move evicts a whole window and leaves a slab to fill), by
+        more than 5 % of the pool for a class with a large share. Other classes' counters are read
+        without their locks: a stale value only shifts one decision.
+        """
+        cid = info.cid
+        nslabs = self.cls_nslabs.astype(np.float64)
+        if nslabs[cid] == 0:
+            return True
+        (epoch,) = U32.unpack_from(self.mm, DEMAND_EPOCH_OFF)
+        age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
+        dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
+        slab = nslabs * self.cls_k
+        total_dem, total_slab = float(dem.sum()), float(slab.sum())
+        if total_dem <= 0 or total_slab <= 0:
+            return False
+        d = dem[cid] / total_dem
+        return d - slab[cid] / total_slab > min(MOVE_RATIO * d, MOVE_ABS)
+
+    def _make_room(self, info: ClassInfo, nblocks: int) -> bool:
+        """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
+
+        Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) if
+        `should_move` says so, else evict blocks of this class (block CLOCK); whichever is tried
+        first, the other is the fallback. False if no room could be made.
+        """
+        need = -(-nblocks // info.bps)
         with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
-            for u in self.find_free_runs(info.k, count):
+            runs = self.find_free_runs(info.k, need)
+            for u in runs:
                 self._format_slab(u, info)
-                made += 1
-            while made < count:  # the pool is full: evict one window per slab still wanted
-                u = self._evict_for(info)
-                if u is None:
-                    break
-                if _cp.ARMED is not None:
-                    _cp.hit("slab.mid_move")
-                self._format_slab(u, info)
-                made += 1
-        return made
+            if runs:
+                return True
+            move = self.should_move(info)
+            if move and self._move_slab(info):
+                return True
+        if self.evict_blocks(info, nblocks):
+            return True
+        if not move:
+            with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
+                return self._move_slab(info)
+        return False
+
+    def _move_slab(self, info: ClassInfo) -> bool:
+        """CLASS[c] and POOL held: evict a slab-CLOCK window and format a slab of the class there."""
+        u = self._evict_for(info)
+        if u is None:
+            return False
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_move")
+        self._format_slab(u, info)
+        return True
+
+    def evict_blocks(self, info: ClassInfo, m: int) -> int:
+        """CLASS[c] held: evict up to m blocks of the class chosen by the class's block CLOCK.
+
+        The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit,
+        blocks by index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is
+        cleared as the hand passes. One sweep of at most two passes over the class's blocks (read in
+        chunks from the hand, stopping at the m-th victim) collects the victims (the second pass takes the blocks whose `ref` the first cleared); RESERVED, FREE
+        and owned blocks are skipped. The victims are unpublished in one round of their shard locks
+        (CLASS -> SHARD is the lock order), then freed: word bumped first, so a reader that found the
+        entry before it went fails its second word check. Returns the number of blocks freed.
+        """
+        cid, bps = info.cid, info.bps
+        heads = np.asarray(self.class_slabs(cid), dtype=np.int64)
+        if m <= 0 or not len(heads):
+            return 0
+        n = len(heads) * bps
+        co = self._cls_off(cid)
+        (hand,) = U64.unpack_from(self.mm, co + CLS_HAND)
+        j = int(np.searchsorted(heads, hand >> 8))
+        p = j * bps + ((hand & 0xFF) if j < len(heads) and heads[j] == hand >> 8 and (hand & 0xFF) < bps else 0)
+        p %= n
+        # The ring is read in chunks from the hand (a large class is not read whole to find a few
+        # victims); a chunk never spans the end of the first pass, so the second pass re-reads the
+        # ref bits the first one cleared. Positions t in [0, 2n): ring index (p + t) mod n.
+        chunk = max(4 * m, 512)
+        picked: list[np.ndarray] = []
+        vq_parts: list[np.ndarray] = []
+        got = t = 0
+        while t < 2 * n and got < m:
+            t1 = min(t + chunk, n if t < n else 2 * n)
+            ring = (p + np.arange(t, t1, dtype=np.int64)) % n
+            g = (heads[ring // bps] * self.U + (ring % bps) * info.block) // self.G
+            q = self.meta_q[g]
+            w3 = q[:, 3]
+            owner = (w3 >> np.uint64(32)) & np.uint64(0xFFFF)
+            ref = ((w3 >> np.uint64(48)) & np.uint64(0xFF)) != 0
+            elig = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0)
+            if t >= n and picked:
+                elig &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
+            vict = np.flatnonzero(elig & ~ref)[:m - got]
+            got += len(vict)
+            end = int(vict[-1]) + 1 if got == m else len(ring)
+            passed = (elig & ref)[:end]  # second chances: cleared as the hand passes
+            self.meta_refs[g[:end][passed]] = 0
+            if len(vict):
+                picked.append(ring[vict])
+                vq_parts.append(q[vict])
+            t += end
+        pos = (p + t) % n
+        U64.pack_into(self.mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
+        if not got:
+            return 0
+        idx = np.concatenate(picked)
+        vq = np.concatenate(vq_parts)
+        vheads = heads[idx // bps].tolist()
+        vindex = (idx % bps).tolist()
+        victims = (heads[idx // bps] * self.U + (idx % bps) * info.block).tolist()
+        vwords = vq[:, 0].tolist()
+        digs = vq[:, 1:3].copy().tobytes()
+        lens = (vq[:, 3] & np.uint64(0xFFFFFFFF)).tolist()
+        gone = self.ctx.unpublish_many([(digs[16 * i:16 * i + 16], off, w)
+                                        for i, (off, w) in enumerate(zip(victims, vwords))])
+        freed = evicted = evicted_bytes = 0
+        for off, h, i, w, n_bytes, g_ in zip(victims, vheads, vindex, vwords, lens, gone):
+            mo = self.meta_off(off)
+            if U64.unpack_from(self.mm, mo)[0] != w:
+                continue
+            if not g_ and U16.unpack_from(self.mm, mo + 28)[0]:
+                continue  # claimed by a process that unpublished it first: it frees it
+            # unpublished by us, or an orphan (LIVE, unowned, not indexed): free it
+            self._free_block(h, info, i, off)
+            freed += 1
+            if g_:
+                evicted += 1
+                evicted_bytes += n_bytes
+            if _cp.ARMED is not None:
+                _cp.hit("evict.block_mid")
+        self.ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
+        return freed
 
     def find_free_run(self, k: int) -> int | None:
         runs = self.find_free_runs(k, 1)

@@ -177,7 +177,7 @@ def recover(pool_path: str, expected: dict, missing=(), sizes=(SIZE,), fresh: bo
 
 ALL_POINTS = [
     "put.after_alloc", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
-    "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid",
+    "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid", "evict.block_mid",
     "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "init.mid_header",
     "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
     "lock.held.SHARD", "lock.held.SLOT",
@@ -377,12 +377,13 @@ def survivors(s: Store, expected: dict) -> dict:
 
 def test_evict_mid(pool_path):
     """Slab CLOCK eviction dies after unpublishing the first block of its victim slab, holding the
-    class lock and POOL. That block is an orphan (LIVE, unowned, unindexed): class repair by the next
-    holder of the class lock frees it; POOL repair runs for the next slab; survivors verify."""
+    class lock and POOL (a HALF put: its class has no slab, so it takes one from the BIG class). That
+    block is an orphan (LIVE, unowned, unindexed): class repair by the next holder of the BIG class
+    lock frees it; POOL repair runs for the next put that makes room; survivors verify."""
     expected = full_pool(pool_path)
     run_child(pool_path, "evict.mid", """
         s = Store.open(path)
-        s.put("bignew", make_value("bignew", 1, 65536))
+        s.put("halfnew", make_value("halfnew", 1, 32768))
     """)
     with Store.open(pool_path) as s:
         alive = survivors(s, expected)
@@ -392,10 +393,40 @@ def test_evict_mid(pool_path):
         assert s.put("after0", after["after0"]) and s.get("after0") == after["after0"]
         assert s.stats()["evictions"] == evictions, "class repair should have freed the orphan for this put"
         assert leaked_blocks(s) == []
-        for k, v in list(after.items())[1:]:  # these evict (under POOL, repaired first)
+        for k, v in list(after.items())[1:]:  # these evict (POOL is taken, and repaired, first)
             assert s.put(k, v) and s.get(k) == v
         assert s.stats()["evictions"] > 0
-        assert_recovered(s, survivors(s, dict(expected, **after)))
+        halves = {f"half{i}": make_value(f"half{i}", 1, HALF) for i in range(2)}  # the HALF class lock too
+        for k, v in halves.items():
+            assert s.put(k, v)
+        assert_recovered(s, survivors(s, dict(expected, **after, **halves)))
+
+
+def test_evict_block_mid(pool_path):
+    """Eviction within a class (block CLOCK): a batch of 3 BIG values into a pool full of BIG values
+    unpublishes 3 victims in one round of shard locks and dies after freeing the first, holding the
+    class lock. The other two are orphans (LIVE, unowned, unindexed): class repair by the next holder
+    frees them, so the next 3 puts need no eviction; every survivor verifies, nothing leaks."""
+    expected = full_pool(pool_path)
+    run_child(pool_path, "evict.block_mid", """
+        s = Store.open(path)
+        keys = ["blk0", "blk1", "blk2"]
+        s.batch_put(keys, [make_value(k, 1, 65536) for k in keys])
+    """)
+    with Store.open(pool_path) as s:
+        alive = survivors(s, expected)
+        assert len(alive) == len(expected) - 3, "exactly the three victims are gone"
+        assert all(s.get(k) is None for k in ("blk0", "blk1", "blk2"))
+        assert s.stats()["slab_moves"] == 0
+        after = {f"after{i}": make_value(f"after{i}", 1, BIG) for i in range(3)}
+        evictions = s.stats()["evictions"]
+        assert all(s.batch_put(list(after), list(after.values())))
+        assert s.stats()["evictions"] == evictions, "class repair should have freed the two orphans"
+        assert leaked_blocks(s) == []
+        more = {f"more{i}": make_value(f"more{i}", 1, BIG) for i in range(3)}
+        assert all(s.batch_put(list(more), list(more.values())))
+        assert s.stats()["evictions"] == evictions + 3 and s.stats()["slab_moves"] == 0
+        assert_recovered(s, survivors(s, dict(expected, **after, **more)))
 
 
 def test_slab_mid_move(pool_path):
@@ -438,8 +469,9 @@ def test_slab_mid_format(pool_path):
 
 
 def test_slab_mid_free(pool_path):
-    """Eviction of a 3-unit slab dies after its HEAD is FREE, before its TAILs are: POOL repair by the
-    next holder clears the dangling TAILs, so the next slab reuses those units without evicting more."""
+    """Eviction of a 3-unit slab dies after its HEAD is FREE, before its TAILs are (a put of another
+    3-unit class, 71488-byte blocks: it has no slab, so it takes one from the WIDE class). POOL repair by the next holder clears the
+    dangling TAILs, so the next slab reuses those units without evicting more."""
     with Store.open(pool_path, "8M", create=True) as s:
         per_slab = s.alloc.class_for(WIDE).bps
         n = s.geo.n_units // s.alloc.class_for(WIDE).k * per_slab
@@ -447,7 +479,7 @@ def test_slab_mid_free(pool_path):
         assert s.alloc.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
     run_child(pool_path, "slab.mid_free", f"""
         s = Store.open(path)
-        s.put("widenew", make_value("widenew", 1, {WIDE}))
+        s.put("other", make_value("other", 1, 70000))
     """)
     with Store.open(pool_path) as s:
         alive = survivors(s, expected)
@@ -455,7 +487,9 @@ def test_slab_mid_free(pool_path):
         new = {"widenew": make_value("widenew", 2, WIDE)}
         assert s.put("widenew", new["widenew"])
         assert s.stats()["evictions"] == 0, "the evicted slab's units should have been reused"
-        assert_recovered(s, dict(alive, **new))
+        new["other"] = make_value("other", 2, 70000)  # takes the dead process's class lock (a slab move)
+        assert s.put("other", new["other"])
+        assert_recovered(s, survivors(s, dict(alive, **new)))
 
 
 def test_lock_held_POOL(pool_path):

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from maru_shm.allocator.classes import geometric_sizes
+from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
 
@@ -156,4 +159,140 @@ def test_batch_spanning_a_partial_slab_and_an_eviction_keeps_its_blocks(open_sto
     assert all(s.batch_put(keys, [make_value(k, 2, size) for k in keys]))
     for k in keys:
         assert check_value(k, s.get(k)), k
+    assert_clean(s)
+
+
+# ---------------------------------------------------------------- eviction within a class (block CLOCK)
+
+def _fill_one_class(s, size, tag="f"):
+    """Put exactly as many values of one size as the pool holds: no free unit, no free block, no eviction."""
+    info = s.alloc.class_for(size)
+    n = s.geo.n_units // info.k * info.bps
+    for start in range(0, n, 16):
+        keys = [f"{tag}{i}" for i in range(start, min(n, start + 16))]
+        assert all(s.batch_put(keys, [make_value(k, 1, size) for k in keys]))
+    assert s.alloc.find_free_run(info.k) is None and s.stats()["evictions"] == 0
+    return info, n
+
+
+def _slab_of(s, key):
+    found = s.index.find(key_digest(key))
+    return None if found is None else s.alloc.block_index(found[1])[0]
+
+
+def test_block_clock_keeps_a_hot_block_and_evicts_its_cold_neighbours(open_store):
+    """One class fills the pool. A block read between every put survives 3 pool-fulls of new values of
+    its class, while the cold blocks that shared its slab are evicted: the victims are chosen per block
+    (a slab CLOCK would keep the neighbours, since a hit on the hot block marks the whole slab)."""
+    s = open_store("16M")
+    size = 100 * KiB
+    info, n = _fill_one_class(s, size)
+    hot = "f0"
+    h = _slab_of(s, hot)
+    neighbours = [f"f{i}" for i in range(1, n) if _slab_of(s, f"f{i}") == h]
+    assert len(neighbours) == info.bps - 1
+    total = 3 * s.geo.data_bytes // info.block
+    for i in range(total):
+        assert check_value(hot, s.get(hot)), f"the hot block was evicted after {i} puts"
+        k = f"new{i}"
+        assert s.put(k, make_value(k, 1, size))
+    assert check_value(hot, s.get(hot))
+    assert not any(s.batch_exists(neighbours)), "cold neighbours of the hot block should be gone"
+    assert s.stats()["evictions"] >= total - info.bps
+    assert s.stats()["slab_moves"] == 0, "one class at its demand share evicts within, never moves"
+    assert_clean(s)
+
+
+def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
+    """Every block of the only class is owned by a live writer: the block CLOCK finds no victim in one
+    bounded sweep, the slab CLOCK none either, and the put fails instead of looping. Once the blocks
+    are disowned (every ref bit set), the next put evicts exactly one block, the one at the hand, and
+    the sweep has cleared the ref bit of every other block."""
+    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    s = open_store("16M")
+    size = 100 * KiB
+    info, n = _fill_one_class(s, size)
+    a = s.alloc
+    offs = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    g = [o // s.geo.granule for o in offs]
+    a.meta_owners[g] = s.slot + 1
+    a.meta_refs[g] = 1
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, 4) == 0
+    assert a.meta_refs[g].all(), "no victim: the hand passed nothing but owned blocks"
+    assert not s.put("nope", make_value("nope", 1, size))
+    a.meta_owners[g] = 0
+    hand = U64.unpack_from(s.mm, a._cls_off(info.cid) + CLS_HAND)[0]
+    victim_off = (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block
+    ev = s.stats()["evictions"]
+    assert s.put("yes", make_value("yes", 1, size))
+    assert s.stats()["evictions"] == ev + 1
+    assert s.index.find(key_digest("yes"))[1] == victim_off, "the second pass takes the block at the hand"
+    assert not a.meta_refs[g].any(), "the first pass cleared every ref bit"
+    assert_clean(s)
+
+
+def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
+    """Class A fills the pool; then A and B are put at equal byte rates. B starts with no slab (it must
+    take one), and takes slabs from A until it holds about half the slab bytes; A at its share evicts
+    within itself. Moves happen, but far fewer than B's puts (a class near its share does not move)."""
+    s = open_store("64M")
+    sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
+    a_size = next(b for b in sizes if b >= 100 * KiB)
+    b_size = next(b for b in sizes if b >= 200 * KiB)
+    ia, n = _fill_one_class(s, a_size, "a")
+    ib = s.alloc.class_for(b_size)
+    assert s.alloc.should_move(ib), "a class without a slab must get one"
+    assert not s.alloc.should_move(ia)
+    b_puts = written = 0
+    while written < 4 * s.geo.data_bytes:
+        kb = f"b{b_puts}"
+        assert s.put(kb, make_value(kb, 1, b_size))
+        for j in range(round(b_size / a_size)):
+            ka = f"a2-{b_puts}-{j}"
+            assert s.put(ka, make_value(ka, 1, a_size))
+        written += 2 * b_size
+        b_puts += 1
+    moves = s.stats()["slab_moves"]
+    nslabs = s.alloc.cls_nslabs
+    share_b = nslabs[ib.cid] * ib.k / (nslabs[ia.cid] * ia.k + nslabs[ib.cid] * ib.k)
+    print(f"\nB's slab share {share_b:.3f}, {moves} slab moves for {b_puts} puts of B")
+    assert 0.35 <= share_b <= 0.65, share_b
+    assert 0 < moves < b_puts / 4, (moves, b_puts)
+    assert_clean(s)
+
+
+def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
+    """A class of ~900 blocks (the sweep reads 512 at a time). With every ref bit set but on three
+    blocks far apart (100, 600, 800), the victims are exactly those three, in ring order from the hand, and only the
+    ref bits the hand passed are cleared. With every ref bit set, the second pass takes the blocks
+    at the hand, and the first pass has cleared every bit."""
+    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    s = open_store("16M")
+    size = 16 * KiB
+    s.declare_size(size)
+    info, n = _fill_one_class(s, size)
+    a = s.alloc
+    ring = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    assert len(ring) > 850
+    g = np.array([o // s.geo.granule for o in ring])
+    owner_of = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
+    U64.pack_into(s.mm, a._cls_off(info.cid) + CLS_HAND, 0)  # the hand at the first block
+    a.meta_refs[g] = 1
+    cold = [100, 600, 800]
+    a.meta_refs[g[cold]] = 0
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, 3) == 3
+    assert [s.get(owner_of[ring[i]]) for i in cold] == [None] * 3
+    refs = a.meta_refs[g]
+    assert not refs[:801].any() and refs[801:].all(), "cleared exactly up to the last victim"
+    hand = U64.unpack_from(s.mm, a._cls_off(info.cid) + CLS_HAND)[0]
+    assert (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block == ring[801]
+    a.meta_refs[g] = 1
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, 2) == 2
+    live = np.setdiff1d(np.arange(len(ring)), cold)  # the three blocks freed above are FREE: skipped
+    assert not a.meta_refs[g[live]].any() and a.meta_refs[g[cold]].all()
+    assert s.get(owner_of[ring[801]]) is None and s.get(owner_of[ring[802]]) is None
+    assert check_value(owner_of[ring[803]], s.get(owner_of[ring[803]]))
     assert_clean(s)
