@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
@@ -185,7 +186,9 @@ class MaruStorage(HiCacheStorage):
         if per * n != len(ptrs) or per != self.pieces_per_page:
             raise ValueError(f"host pool described {len(ptrs)} pieces for {n} pages "
                              f"(expected {self.pieces_per_page} per page)")
-        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+        # (n, per, 2) [address, nbytes] rows in one numpy pass; tolist() builds the nested lists in C
+        return np.stack([np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64)],
+                        axis=1).reshape(n, per, 2).tolist()
 
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -230,7 +233,7 @@ class MaruStorage(HiCacheStorage):
             pieces = self._pieces(host_indices, len(keys))
             digests = self._digests(keys)
             # skip pages already stored with exactly one page of bytes; anything else under the key is replaced
-            found = self.store.resolve(digests)
+            found = self.store.resolve(digests, full=False)
             present = (found.ok & (found.lengths == self.page_bytes)).tolist()
             todo = [i for i in range(len(keys)) if not present[i]]
             res = [True] * len(keys)

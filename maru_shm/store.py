@@ -455,10 +455,13 @@ class Store:
         self.flush_counters()
         return out
 
-    def resolve(self, digests):
-        """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py)."""
+    def resolve(self, digests, full: bool = True):
+        """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).
+
+        full=False skips the block-start checks a copy needs: enough to ask "present, and how long?".
+        """
         self._check_open()
-        return resolve(self, digest_array(digests))
+        return resolve(self, digest_array(digests), full=full)
 
     def _digest_batch(self, keys, digests) -> np.ndarray:
         if digests is not None:
@@ -532,6 +535,8 @@ class Store:
         first = self._lookup(darr[0].tobytes())  # prefixes often miss at once: skip the batch machinery
         if first is None or (length is not None and first[2] != length):
             return 0
+        if len(darr) == 1:
+            return 1
         r = resolve(self, darr, full=False)
         ok = r.ok if length is None else r.ok & (r.lengths == length)
         miss = np.flatnonzero(~ok)

@@ -264,18 +264,35 @@ class Allocator:
 
         Fewer offsets than items means the pool could not make room (every
         candidate slab busy with writers). Each block is RESERVED with `owner`.
+        Blocks are taken from the partial slabs first and reserved together
+        (one numpy pass) before anything that may evict or repair this class:
+        a taken block must carry its owner by then, or the eviction that makes
+        room for the rest could free the slab under it.
         """
         cid = info.cid
+        m = len(items)
+        dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
+        lens = np.fromiter((n for _, n in items), dtype=np.uint64, count=m)
         out: list[int] = []
+        pending: list[int] = []
+
+        def reserve_pending():
+            if pending:
+                k = len(out)
+                self._reserve_many(pending, dig[k:k + len(pending)], lens[k:k + len(pending)], owner)
+                out.extend(pending)
+                pending.clear()
+
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
-            self._add_demand(cid, len(items) * info.block)
-            while len(out) < len(items):
+            self._add_demand(cid, m * info.block)
+            while len(out) + len(pending) < m:
                 head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
                 if head == 0 or head - 1 >= self.n_units:
+                    reserve_pending()
                     if head:
                         self.repair_class(cid)
                         continue
-                    if not self._make_room(info, len(items) - len(out)):
+                    if not self._make_room(info, m - len(out)):
                         break
                     continue
                 h = head - 1
@@ -283,16 +300,12 @@ class Allocator:
                 nfree = self._get32(s + SLAB_NFREE)
                 bits = np.unpackbits(np.frombuffer(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], np.uint8),
                                      bitorder="little")
-                free = np.flatnonzero(bits[:info.bps] == 0)[:len(items) - len(out)]
+                free = np.flatnonzero(bits[:info.bps] == 0)[:m - len(out) - len(pending)]
                 got = len(free)
                 if got:
                     bits[free] = 1
                     self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
-                    offs = (h * self.U + free * info.block).tolist()
-                    # reserve now, not after the loop: making room for the rest (_make_room) may evict slabs
-                    # of this very class, and a taken block must already carry its owner to be spared
-                    self._reserve_many(offs, items[len(out):len(out) + got], owner)
-                    out += offs
+                    pending += (h * self.U + free * info.block).tolist()
                 nfree = max(0, nfree - got)
                 if got == 0:
                     nfree = 0  # bitmap says full: the count was stale
@@ -301,11 +314,13 @@ class Allocator:
                 if nfree == 0:
                     self._partial_remove(cid, h)
                 self.mm[s + SLAB_REF] = 1
+            reserve_pending()
         return out
 
-    def _reserve_many(self, offsets: list[int], items, owner: int) -> None:
+    def _reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
         """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
 
+        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths.
         The word (state RESERVED, next sequence) is written first: a reader still
         holding the old LIVE word then fails validation before digest or length
         change. A crash midway leaves RESERVED blocks of a dead or absent owner,
@@ -314,10 +329,8 @@ class Allocator:
         g = np.asarray(offsets, dtype=np.int64) // self.G
         q = self.meta_q
         q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
-        dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
         q[g, 1] = dig[:, 0]
         q[g, 2] = dig[:, 1]
-        lengths = np.fromiter((n for _, n in items), dtype=np.uint64, count=len(offsets))
         q[g, 3] = (q[g, 3] & np.uint64(0xFF << 56)) | lengths | np.uint64(owner << 32)  # ref 0, byte 31 kept
 
     # -- making room: new slab, slab move, or eviction within the class ------------------------

@@ -128,8 +128,12 @@ class Index:
             shards = shards.astype(np.int64)
             slot = shards * self.slots + (halves[:, 1] & self.mask_u).astype(np.int64)
             ok = entries[slot, 2] == 0
-            _, inv, dup = np.unique(slot, return_inverse=True, return_counts=True)
-            ok &= dup[inv] == 1
+            order = np.argsort(slot, kind="stable")  # keys sharing a home slot: neighbours once sorted
+            same = slot[order][1:] == slot[order][:-1]
+            shared = np.zeros(len(slot), dtype=bool)
+            shared[order[1:][same]] = True
+            shared[order[:-1][same]] = True
+            ok &= ~shared
             add = np.bincount(shards[ok], minlength=self.nshards)
             ok &= (counts.astype(np.int64) + add <= self.limit)[shards]
             if not ok.any():
