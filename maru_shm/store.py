@@ -531,6 +531,9 @@ class Store:
             info = self.alloc.class_for(lengths[i]) if lengths[i] <= self.geo.max_value else None
             if info is None:
                 continue
+            if lengths[i] > info.block:  # never copy past the block: it would overwrite its neighbours
+                raise StoreError(f"internal error: class {info.cid} ({info.block}-byte blocks) chosen for "
+                                 f"a {lengths[i]}-byte value")
             groups.setdefault(info.cid, (info, []))[1].append(i)
         owner = self.slot + 1
         placed: list[tuple[int, int]] = []

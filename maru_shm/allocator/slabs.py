@@ -45,7 +45,8 @@ class Allocator:
         self.clsfield = np.ndarray((g.n_units,), dtype="<u4", buffer=self.mm, offset=g.off_slabs + 4,
                                    strides=(SLAB_ENTRY,))
         self.classes: list[ClassInfo | None] = []
-        self.geo_sizes: list[int] = []
+        self.geo_sizes: list[int] = []  # block sizes of the usable geometric classes, ascending
+        self.geo_cids: list[int] = []   # their class ids (not the list position: unusable classes are skipped)
         self.exact: dict[int, int] = {}
         self._classes_version = -1
         self.refresh_classes()
@@ -59,7 +60,7 @@ class Allocator:
         (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
         if ver == self._classes_version:
             return
-        classes, geo_sizes, exact = [], [], {}
+        classes, geo, exact = [], [], {}
         for cid in range(self.geo.class_cap):
             kind, k, block, bps = CLASS_STRUCT.unpack_from(self.mm, self.off_classes + cid * CLASS_ENTRY)[:4]
             valid = (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= self.n_units and 0 < block <= k * self.U
@@ -67,10 +68,12 @@ class Allocator:
             info = ClassInfo(cid, kind, k, block, bps) if valid else None
             classes.append(info)
             if info and kind == KIND_GEOMETRIC and cid < self.geo.n_geo_classes:
-                geo_sizes.append(block)
+                geo.append((block, cid))
             elif info and kind == KIND_EXACT:
                 exact[block] = cid
-        self.classes, self.geo_sizes, self.exact = classes, geo_sizes, exact
+        geo.sort()  # ascending by construction; sorted anyway so bisect holds whatever the table says
+        self.geo_sizes, self.geo_cids = [b for b, _ in geo], [c for _, c in geo]
+        self.classes, self.exact = classes, exact
         self._classes_version = ver
 
     def class_arrays(self):
@@ -101,7 +104,7 @@ class Allocator:
         i = bisect.bisect_left(self.geo_sizes, max(n, 1))
         if i >= len(self.geo_sizes):
             return None
-        return self.classes[i]
+        return self.classes[self.geo_cids[i]]  # by class id: position i is not class i once one is skipped
 
     def declare_exact(self, n: int) -> ClassInfo:
         """Give block size n its own class (idempotent); geometric fallback when the table is full."""
@@ -118,7 +121,11 @@ class Allocator:
             for cid in range(self.geo.n_geo_classes, self.geo.class_cap):
                 off = self.off_classes + cid * CLASS_ENTRY
                 if U32.unpack_from(self.mm, off)[0] == KIND_UNUSED:
-                    k, bps = slab_shape(n, self.U, min_bytes=EXACT_MIN_SLAB)
+                    # The 2 MiB exact-slab floor only where it is at most a quarter of the pool, and never
+                    # more than a quarter of the units (a slab of more units than the pool has would make the
+                    # entry invalid: refresh_classes drops it, and declare_size raised KeyError).
+                    floor = EXACT_MIN_SLAB if 4 * EXACT_MIN_SLAB <= self.geo.data_bytes else 0
+                    k, bps = slab_shape(n, self.U, max_units=min(64, max(1, self.n_units // 4)), min_bytes=floor)
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
                     (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
