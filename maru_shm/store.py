@@ -577,10 +577,20 @@ class Store:
                         if cur is not None and self._entry_valid(digests[i], cur[0], cur[1]):
                             res[i] = True  # someone published it first: theirs stays, ours is spare
                             continue
-                    while self.index.is_full(s):
-                        victim = self.index.clock_victim(s, self.alloc.is_referenced)
-                        if victim is None:
+                    rebuilt = False
+                    for _ in range(2 * self.index.slots):  # bounded, whatever the shard says
+                        if not self.index.is_full(s):
                             break
+                        victim = self.index.clock_victim(s, self.alloc.is_referenced)
+                        if victim is None or self.index.find(victim[0]) != victim[1:]:
+                            # A count above the entries present, or an entry its own probe cannot reach
+                            # (damage: removing it would fail, forever): rebuild the shard, once.
+                            if rebuilt:
+                                break
+                            self.index.rebuild(s, self._entry_valid)
+                            self.count(repairs=1)
+                            rebuilt = True
+                            continue
                         vd, vword, voff = victim
                         self._claim_for_free(voff, vword)
                         self.index.remove(s, vd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import CorruptPoolError
 from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
@@ -103,8 +104,9 @@ class Index:
     def put(self, shard: int, d: bytes, word: int, offset: int):
         """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit."""
         found, pos = self._find_pos(shard, d)
-        if pos is None:
-            raise RuntimeError("index shard has no empty slot")  # impossible below the load limit
+        if pos is None:  # impossible below the load limit: the shard header's count is wrong
+            raise CorruptPoolError(f"index shard {shard} has no empty slot although its count is below the "
+                                   "load limit: the pool is damaged; run `maru-shm check --repair`")
         e = self.entry_off(shard, pos)
         if found is None:
             self.mm[e:e + 16] = d
@@ -182,14 +184,14 @@ class Index:
         return out
 
     def rebuild(self, shard: int, keep) -> tuple[int, int]:
-        """Drop entries `keep(d, word, offset)` rejects and duplicates, re-insert the rest.
+        """Drop entries `keep(d, word, offset)` rejects, duplicates and keys of other shards; re-insert the rest.
 
         Returns (kept, dropped). Used by shard repair after a holder died mid-update.
         """
         seen = {}
         dropped = 0
         for _, ed, word, offset in self.entries(shard):
-            if ed in seen or not keep(ed, word, offset):
+            if ed in seen or self.shard_of(ed) != shard or not keep(ed, word, offset):
                 dropped += 1
                 continue
             seen[ed] = (word, offset)
