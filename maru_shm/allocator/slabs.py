@@ -178,7 +178,7 @@ class Allocator:
             return None
         rel = offset - h * self.U
         i, r = divmod(rel, info.block)
-        if r or i >= info.bps:
+        if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
             return None
         return h, info, i
 
@@ -241,19 +241,29 @@ class Allocator:
         """
         cid = info.cid
         out: list[int] = []
+        rebuilt = False
+        # Bounded: each round takes a block, takes a slab off the partial list, formats slabs or rebuilds once.
+        rounds = len(items) + 2 * self.n_units + 4
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
-            while len(out) < len(items):
+            while len(out) < len(items) and rounds > 0:
+                rounds -= 1
                 head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
-                if head == 0 or head - 1 >= self.n_units:
-                    if head:
-                        self.repair_class(cid)
-                        continue
+                if head == 0:
                     need = -(-(len(items) - len(out)) // info.bps)
                     if not self._new_slabs(info, need):
                         break
                     continue
                 h = head - 1
                 s = self._slab(h)
+                if (h >= self.n_units or self._get32(s) != UNIT_HEAD or self._get32(s + 4) != cid
+                        or h + info.k > self.n_units or not self.mm[s + SLAB_INPARTIAL]):
+                    # The list names no partial slab of this class (a damaged link): blocks reserved there
+                    # would overlap another slab's. Rebuild the class from the slab table, once.
+                    if rebuilt:
+                        break
+                    self.repair_class(cid)
+                    rebuilt = True
+                    continue
                 nfree = self._get32(s + SLAB_NFREE)
                 got = 0
                 bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
@@ -386,11 +396,14 @@ class Allocator:
                     self.mm[r] = 0
         return hit
 
-    def _heads_in(self, w0: int, k: int) -> list[int]:
+    def _heads_in(self, w0: int, k: int) -> list[int] | None:
+        """Heads of the slabs overlapping units [w0, w0 + k); None if a TAIL there names no HEAD before it."""
         heads: list[int] = []
         for u in range(w0, w0 + k):
             st = self._get32(self._slab(u))
             h = u if st == UNIT_HEAD else (self._get32(self._slab(u) + 4) if st == UNIT_TAIL else None)
+            if h is not None and st == UNIT_TAIL and not (0 <= h < u and self._get32(self._slab(h)) == UNIT_HEAD):
+                return None  # damaged (repair_pool rewrites tails): not a window to evict
             if h is not None and (not heads or heads[-1] != h):
                 heads.append(h)
         return heads
@@ -423,13 +436,15 @@ class Allocator:
 
     def _evict_window(self, w0: int, k: int, my_cid: int) -> bool:
         heads = self._heads_in(w0, k)
+        if heads is None:
+            return False
         locked: list[int] = []
         try:
             infos = []
             for h in heads:
                 c = self._get32(self._slab(h) + 4)
                 cinfo = self.classes[c] if c < len(self.classes) else None
-                if cinfo is None:
+                if cinfo is None or h + cinfo.k > self.n_units:
                     return False
                 if c != my_cid and c not in locked:
                     r = self.ctx.locks.acquire(CLASS_LOCK_BASE + c, blocking=False)
@@ -525,7 +540,7 @@ class Allocator:
         freed = 0
         co = self._cls_off(cid)
         self._set32(co + CLS_PARTIAL, 0)
-        heads = self.class_slabs(cid)
+        heads = [h for h in self.class_slabs(cid) if h + info.k <= self.n_units]  # not past the data area
         used_total = 0
         for h in heads:
             s = self._slab(h)
