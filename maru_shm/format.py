@@ -112,6 +112,11 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _geometric_count(granule: int, max_value: int) -> int:
+    from .allocator.classes import geometric_sizes
+    return len(geometric_sizes(granule, max_value))
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Immutable layout of one pool; the superblock's immutable part."""
@@ -259,12 +264,16 @@ class Geometry:
             problems.append("unit larger than 256 granules")
         if not _is_pow2(self.index_shards) or not _is_pow2(self.shard_slots):
             problems.append("index shape")
-        if self.n_granules != self.n_units * self.unit_size // self.granule:
+        if self.granule <= 0 or self.n_granules != self.n_units * self.unit_size // self.granule:
             problems.append("granule count")
         if self.data_bytes != self.n_units * self.unit_size:
             problems.append("data size")
         if not 0 < self.n_geo_classes <= self.class_cap == CLASS_CAP:
             problems.append("class table")
+        if not self.granule <= self.max_value <= self.data_bytes:
+            problems.append("largest value")
+        elif _is_pow2(self.granule) and self.n_geo_classes != _geometric_count(self.granule, self.max_value):
+            problems.append("geometric class count")
         if not 0 < self.proc_slots <= LOCK_IDS:
             problems.append("process table")
         if self.index_shards > SHARD_LOCK_BASE:
