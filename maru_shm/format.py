@@ -255,6 +255,23 @@ class Geometry:
                 "it was truncated; recreate the pool")
         return geo
 
+    def _region_offsets(self) -> tuple:
+        return (self.off_locks, self.off_classes, self.off_procs, self.off_slabs, self.off_shards,
+                self.off_index, self.off_blockmeta, self.off_data)
+
+    def _planned_offsets(self, data_align: int) -> tuple:
+        """Where plan() puts the regions for these counts (data aligned to data_align: the unit, or 2 MiB on
+        DAX). A header re-signed with a valid checksum cannot move a region without changing a count."""
+        page = 4096
+        off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
+        off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
+        off_slabs = _align(off_procs + self.proc_slots * PROC_ENTRY, page)
+        off_shards = _align(off_slabs + self.n_units * SLAB_ENTRY, page)
+        off_index = _align(off_shards + self.index_shards * SHARD_HEADER, page)
+        off_meta = _align(off_index + self.index_slots * ENTRY_SIZE, page)
+        off_data = _align(off_meta + self.n_granules * META_SIZE, data_align)
+        return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
+
     def validate(self) -> None:
         """Cross-check the geometry so later arithmetic cannot leave the mapping."""
         problems = []
@@ -292,5 +309,8 @@ class Geometry:
             end = off + size
         if end > self.file_size:
             problems.append("regions extend past the file size")
+        if not problems and self._region_offsets() not in (self._planned_offsets(self.unit_size),
+                                                           self._planned_offsets(2 << 20)):
+            problems.append("regions not where the counts put them")
         if problems:
             raise CorruptPoolError("pool geometry is inconsistent (" + ", ".join(problems) + "); recreate the pool")
