@@ -18,7 +18,7 @@ from .allocator.classes import geometric_sizes, slab_shape
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS, CLS_PARTIAL,
                      CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
                      META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL,
-                     SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, store_u64)
+                     SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, next_word, store_u64)
 from .locks import lock_name
 
 
@@ -179,7 +179,7 @@ def _repair_all(store, classes) -> int:
         bad = np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts)
         for gi in bad.tolist():
             w = int(words[gi])
-            store_u64(store.mm, g.off_blockmeta + gi * 32, (((w >> 2) + 1) << 2) | FREE)
+            store_u64(store.mm, g.off_blockmeta + gi * 32, next_word(w, FREE))
             fixes += 1
     finally:
         del words

@@ -83,6 +83,12 @@ U32 = struct.Struct("<I")
 U16 = struct.Struct("<H")
 
 
+def next_word(word: int, state: int) -> int:
+    """The block meta word of the next lifetime: counter + 1 (wrapping at 62 bits: a damaged word may
+    hold any value, and a word must stay a u64), then the new state."""
+    return ((((word >> 2) + 1) << 2) & 0xFFFF_FFFF_FFFF_FFFC) | state
+
+
 def store_u64(buf, off: int, value: int) -> None:
     """Store an aligned little-endian u64 as one 8-byte write (a block meta or index entry word).
 

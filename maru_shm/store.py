@@ -18,7 +18,8 @@ import numpy as np
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, store_u64)
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
+                     store_u64)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
@@ -556,7 +557,7 @@ class Store:
                 dst += nb
             m = self.alloc.meta_off(off)
             w = U64.unpack_from(mm, m)[0]
-            live = (((w >> 2) + 1) << 2) | LIVE
+            live = next_word(w, LIVE)
             store_u64(mm, m, live)  # commit: lock-free, so one 8-byte store (see format.store_u64)
             mine[off] = live
             committed.append((i, off, live, m))

@@ -17,7 +17,8 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       CLS_PARTIAL, CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
                       LOCK_CLASSTAB, LOCK_POOL, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
-                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
+                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
+                      store_u64)
 from .classes import EXACT_MIN_SLAB, slab_shape
 
 class ClassInfo:
@@ -294,7 +295,7 @@ class Allocator:
         """FREE -> RESERVED: one write of the whole meta (no reader acts on a block that is not LIVE)."""
         m = self.meta_off(off)
         (word,) = U64.unpack_from(self.mm, m)
-        self.mm[m:m + META_STRUCT.size] = META_STRUCT.pack((((word >> 2) + 1) << 2) | RESERVED, d, length, owner, 0)
+        self.mm[m:m + META_STRUCT.size] = META_STRUCT.pack(next_word(word, RESERVED), d, length, owner, 0)
 
     def _new_slabs(self, info: ClassInfo, count: int) -> int:
         """Format up to `count` new slabs for the class in one POOL round (evicting if needed).
@@ -375,7 +376,7 @@ class Allocator:
         """CLASS lock held: mark a block FREE (word bumped first, so readers miss) and update derived state."""
         m = self.meta_off(off)
         (word,) = U64.unpack_from(self.mm, m)
-        store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+        store_u64(self.mm, m, next_word(word, FREE))
         U16.pack_into(self.mm, m + 28, 0)
         self.mm[m + 30] = 0
         if self._bit(h, i):
@@ -568,7 +569,7 @@ class Allocator:
                 else:
                     drop = state == RESERVED or not self.ctx.indexed_at(d, off, word)
                 if drop:
-                    store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+                    store_u64(self.mm, m, next_word(word, FREE))
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1
                     continue
