@@ -10,13 +10,12 @@ process or index entry owns.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from .allocator.classes import geometric_sizes, slab_shape
+from .allocator.classes import planned_geometric
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS, CLS_PARTIAL,
-                     CLS_USED, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
+                     CLS_USED, FREE, KIND_EXACT, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
                      META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL,
                      SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, next_word, store_u64)
 from .locks import lock_name
@@ -74,18 +73,9 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     return report
 
 
-@functools.lru_cache(maxsize=16)
-def _planned_classes(granule: int, unit_size: int, max_value: int) -> tuple:
-    out = []
-    for block in geometric_sizes(granule, max_value):
-        k, bps = slab_shape(block, unit_size)
-        out.append((KIND_GEOMETRIC, k, block, bps))
-    return tuple(out)
-
-
 def planned_class(g, cid: int):
     """(kind, k, block_size, blocks_per_slab) creation wrote for geometric class cid (poolfile._write_header)."""
-    return _planned_classes(g.granule, g.unit_size, g.max_value)[cid]
+    return planned_geometric(g.granule, g.unit_size, g.max_value)[cid]
 
 
 def _class_entry_problem(store, cid: int) -> str | None:

@@ -19,7 +19,7 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
                       store_u64)
-from .classes import EXACT_MIN_SLAB, slab_shape
+from .classes import EXACT_MIN_SLAB, planned_geometric, slab_shape
 
 class ClassInfo:
     __slots__ = ("cid", "kind", "k", "block", "bps")
@@ -62,10 +62,13 @@ class Allocator:
         if ver == self._classes_version:
             return
         classes, geo, exact = [], [], {}
+        planned = planned_geometric(self.G, self.U, self.geo.max_value)
         for cid in range(self.geo.class_cap):
             kind, k, block, bps = CLASS_STRUCT.unpack_from(self.mm, self.off_classes + cid * CLASS_ENTRY)[:4]
             valid = (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= self.n_units and 0 < block <= k * self.U
                      and 0 < bps <= 256 and bps * block <= k * self.U and block >= self.G)
+            if cid < self.geo.n_geo_classes and cid < len(planned):
+                valid = valid and (kind, k, block, bps) == planned[cid]  # fixed at creation: damage = unusable
             info = ClassInfo(cid, kind, k, block, bps) if valid else None
             classes.append(info)
             if info and kind == KIND_GEOMETRIC and cid < self.geo.n_geo_classes:
@@ -257,9 +260,13 @@ class Allocator:
                 h = head - 1
                 s = self._slab(h)
                 if (h >= self.n_units or self._get32(s) != UNIT_HEAD or self._get32(s + 4) != cid
-                        or h + info.k > self.n_units or not self.mm[s + SLAB_INPARTIAL]):
-                    # The list names no partial slab of this class (a damaged link): blocks reserved there
-                    # would overlap another slab's. Rebuild the class from the slab table, once.
+                        or h + info.k > self.n_units or not self.mm[s + SLAB_INPARTIAL]
+                        or self._get32(s + SLAB_NBLOCKS) != info.bps
+                        or (info.k > 1 and not ((self.states[h + 1:h + info.k] == UNIT_TAIL).all()
+                                                and (self.clsfield[h + 1:h + info.k] == h).all()))):
+                    # The list names no partial slab of this class, or a slab whose extent or shape is not
+                    # the class's (damage): blocks reserved there would overlap another slab's values.
+                    # Rebuild the class from the slab table, once.
                     if rebuilt:
                         break
                     self.repair_class(cid)
