@@ -78,6 +78,9 @@ class Allocator:
         geo.sort()  # ascending by construction; sorted anyway so bisect holds whatever the table says
         self.geo_sizes, self.geo_cids = [b for b, _ in geo], [c for _, c in geo]
         self.classes, self.exact = classes, exact
+        # units per slab by class id (0: unusable), for finding slabs that reach into a run of units
+        self._kvec = np.array([c.k if c else 0 for c in classes] + [0], dtype=np.int64)
+        self._kmax = int(self._kvec.max())
         self._classes_version = ver
 
     def class_arrays(self):
@@ -326,23 +329,38 @@ class Allocator:
         return runs[0] if runs else None
 
     def find_free_runs(self, k: int, count: int) -> list[int]:
-        """Starts of up to `count` non-overlapping runs of k FREE units, lowest first."""
+        """Starts of up to `count` non-overlapping runs of k FREE units, lowest first.
+
+        A run that an earlier slab reaches into is skipped: HEAD entries are the truth and TAIL entries
+        derived, so a unit inside a slab's extent is not free whatever its own (damaged) entry says; a
+        slab formatted there would overwrite that slab's values.
+        """
         if k > self.n_units or count <= 0:
             return []
         free = self.states == UNIT_FREE
         if k == 1:
-            return np.flatnonzero(free)[:count].tolist()
-        cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
-        starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
+            starts = np.flatnonzero(free).tolist()
+        else:
+            cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+            starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
         out: list[int] = []
         nxt = -1
         for u in starts:
-            if u >= nxt:
+            if u >= nxt and not self._reached_by_earlier_slab(u):
                 out.append(u)
                 nxt = u + k
                 if len(out) == count:
                     break
         return out
+
+    def _reached_by_earlier_slab(self, u: int) -> bool:
+        """Does a slab whose HEAD is before unit u extend to u or beyond?"""
+        lo = max(0, u - self._kmax + 1)
+        heads = np.flatnonzero(self.states[lo:u] == UNIT_HEAD) + lo
+        if not heads.size:
+            return False
+        cls = np.minimum(self.clsfield[heads], len(self._kvec) - 1).astype(np.int64)
+        return bool((heads + self._kvec[cls] > u).any())
 
     def _format_slab(self, h: int, info: ClassInfo) -> None:
         s = self._slab(h)

@@ -226,6 +226,7 @@ PINNED = [
     [("forge", 12, 4, 1), ("forge", 128, 8, 131071)],      # re-signed header, off_data moved: wrong reads
     [("xor", 40960, 1), ("xor", 40960, 1), ("u64", 57344, 2**64 - 11)],  # meta word counter overflow
     [("copy", 23488, 21504, 64)],                          # class 16 <- class 46: writes over other slabs
+    [("xor", 40960, 1), ("xor", 40960, 2), ("xor", 43648, 2)],  # TAIL -> FREE: new slab over a live one
 ]
 
 
