@@ -154,7 +154,7 @@ class Allocator:
         return U32.unpack_from(self.mm, off)[0]
 
     def _set32(self, off: int, v: int) -> None:
-        U32.pack_into(self.mm, off, v)
+        U32.pack_into(self.mm, off, v & 0xFFFFFFFF)  # a damaged counter + 1 wraps (repair recounts)
 
     def meta_off(self, offset: int) -> int:
         return self.off_meta + (offset // self.G) * META_SIZE

@@ -85,6 +85,7 @@ class Index:
         return SHARD_STRUCT.unpack_from(self.mm, self.off_hdr + shard * SHARD_HEADER)[0]
 
     def _set_count(self, shard: int, n: int) -> None:
+        n &= 0xFFFFFFFF  # a damaged count + 1 wraps (shard repair recounts)
         self.mm[self.off_hdr + shard * SHARD_HEADER:self.off_hdr + shard * SHARD_HEADER + 4] = n.to_bytes(4, "little")
 
     def _find_pos(self, shard: int, d: bytes):

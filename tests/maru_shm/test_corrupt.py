@@ -227,6 +227,8 @@ PINNED = [
     [("xor", 40960, 1), ("xor", 40960, 1), ("u64", 57344, 2**64 - 11)],  # meta word counter overflow
     [("copy", 23488, 21504, 64)],                          # class 16 <- class 46: writes over other slabs
     [("xor", 40960, 1), ("xor", 40960, 2), ("xor", 43648, 2)],  # TAIL -> FREE: new slab over a live one
+    [("u64", 20504, 2**64 - 2**32)],                       # class slab/used counters at 2**32 - 1: struct.error
+    [("u32", 20508, 2**32 - 1)],                           # class used counter at 2**32 - 1: struct.error
 ]
 
 
@@ -613,3 +615,25 @@ def test_writes_never_land_on_other_slabs_after_class_entry_damage(pool_path, da
         s.check(repair=True)
         assert s.check().ok, s.check().problems
         _assert_reads(s, vals)
+
+
+def test_u32_counters_at_their_maximum_wrap(pool_path):
+    """Bug: class slab/used counters and a shard's entry count at 2**32 - 1 made the next increment
+    raise struct.error / OverflowError out of put; they now wrap (repair recounts them)."""
+    with Store.open(pool_path, "2M", create=True, **SMALL) as s:
+        vals = _fill(s)
+        for c in range(s.geo.n_geo_classes):
+            o = s.geo.off_classes + c * CLASS_ENTRY
+            _u32(s, o + 24, 2**32 - 1)
+            _u32(s, o + 28, 2**32 - 1)
+        for sh in range(s.geo.index_shards):
+            _u32(s, s.geo.off_shards + sh * 16, 2**32 - 1)
+        with time_limit(20):
+            for i in range(24):
+                k = f"c{i}"
+                s.put(k, make_value(k, 1, [40, 2000, 8000, 30_000][i % 4]))
+                assert s.get(k) in (None, make_value(k, 1, [40, 2000, 8000, 30_000][i % 4]))
+        _assert_reads(s, vals)
+        s.check(repair=True)
+        assert s.check().ok, s.check().problems
+
