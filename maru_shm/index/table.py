@@ -105,9 +105,9 @@ class Index:
     def put(self, shard: int, d: bytes, word: int, offset: int):
         """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit."""
         found, pos = self._find_pos(shard, d)
-        if pos is None:  # impossible below the load limit: the shard header's count is wrong
-            raise CorruptPoolError(f"index shard {shard} has no empty slot although its count is below the "
-                                   "load limit: the pool is damaged; run `maru-shm check --repair`")
+        if pos is None:  # impossible below the load limit: the shard's entries or its count are damaged
+            raise CorruptPoolError(f"index shard {shard} has no empty slot: the pool is damaged; "
+                                   "run `maru-shm check --repair`")
         e = self.entry_off(shard, pos)
         if found is None:
             self.mm[e:e + 16] = d
