@@ -14,10 +14,11 @@ import threading
 
 import numpy as np
 
-from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, LOCK_CLASSTAB,
-                     LOCK_POOL, META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED,
-                     SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NEXT, SLAB_NFREE, UNIT_FREE, UNIT_HEAD,
-                     UNIT_TAIL, U32, store_u64)
+from .allocator.classes import planned_geometric
+from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS, CLS_PARTIAL,
+                     CLS_USED, FREE, KIND_EXACT, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
+                     META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL,
+                     SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, next_word, store_u64)
 from .locks import lock_name
 
 
@@ -50,7 +51,10 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     alloc.refresh_classes()
     held: list[int] = []
     dirty: list[int] = []
-    classes = [c.cid for c in alloc.classes if c is not None]
+    # Every class another process may be using: the geometric ones whatever their entry says now (a
+    # damaged entry is not re-read by processes that cached it), and every entry with a kind.
+    classes = [c for c in range(g.class_cap)
+               if c < g.n_geo_classes or U32.unpack_from(store.mm, alloc._cls_off(c))[0] != KIND_UNUSED]
     order = [LOCK_CLASSTAB] + [CLASS_LOCK_BASE + c for c in classes] + [LOCK_POOL] + \
         [SHARD_LOCK_BASE + s for s in range(g.index_shards)]
     try:
@@ -72,9 +76,95 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     return report
 
 
+def planned_class(g, cid: int):
+    """(kind, k, block_size, blocks_per_slab) creation wrote for geometric class cid (poolfile._write_header)."""
+    return planned_geometric(g.granule, g.unit_size, g.max_value)[cid]
+
+
+def _class_entry_problem(store, cid: int) -> str | None:
+    """Why class entry cid is damaged, or None. Geometric entries must be exactly what creation wrote;
+    an exact-fit entry must be usable (the shape rules refresh_classes applies); other kinds are invalid."""
+    g, alloc = store.geo, store.alloc
+    kind, k, block, bps = CLASS_STRUCT.unpack_from(store.mm, alloc._cls_off(cid))[:4]
+    if cid < g.n_geo_classes:
+        want = planned_class(g, cid)
+        if (kind, k, block, bps) != want:
+            return f"class {cid}: entry (kind {kind}, {k} units, block {block}, {bps} blocks) is not " \
+                   f"geometric class (kind {want[0]}, {want[1]} units, block {want[2]}, {want[3]} blocks)"
+        return None
+    if kind == KIND_UNUSED:
+        return None
+    if kind != KIND_EXACT:
+        return f"class {cid}: invalid kind {kind}"
+    if alloc.classes[cid] is None or block > g.max_value:
+        return f"class {cid}: exact-fit entry with an impossible shape ({k} units, block {block}, {bps} blocks)"
+    return None
+
+
+def _repair_classes(store) -> int:
+    """CLASSTAB and the class locks held: rewrite geometric entries from the geometry, retire unusable
+    exact-fit entries (their slabs then have no class and are dropped by _drop_bad_heads)."""
+    g, alloc, mm = store.geo, store.alloc, store.mm
+    alloc._classes_version = -1
+    alloc.refresh_classes()
+    fixes = 0
+    for cid in range(g.class_cap):
+        if _class_entry_problem(store, cid) is None:
+            continue
+        o = alloc._cls_off(cid)
+        if cid < g.n_geo_classes:
+            kind, k, block, bps = planned_class(g, cid)
+            CLASS_STRUCT.pack_into(mm, o, KIND_UNUSED, k, block, bps, 0, 0, 0, 0)
+            U32.pack_into(mm, o, kind)  # kind last, as at creation
+        else:
+            U32.pack_into(mm, o, KIND_UNUSED)
+            mm[o:o + CLASS_ENTRY] = bytes(CLASS_ENTRY)
+        fixes += 1
+    if fixes:  # other processes cached the class table: make them re-read it
+        (ver,) = U32.unpack_from(mm, CLASSES_VERSION_OFF)
+        U32.pack_into(mm, CLASSES_VERSION_OFF, (ver + 1) & 0xFFFFFFFF)
+        alloc.refresh_classes()
+    return fixes
+
+
+def _bad_heads(store):
+    """(unit, reason) of every HEAD entry that names no usable class, runs past the data area, or
+    overlaps an earlier slab (lowest unit first, as check() reports them)."""
+    g, alloc = store.geo, store.alloc
+    covered = np.zeros(g.n_units, dtype=bool)
+    out = []
+    for h in np.flatnonzero(alloc.states == UNIT_HEAD).tolist():
+        c = int(alloc.clsfield[h])
+        info = alloc.classes[c] if c < len(alloc.classes) else None
+        if info is None:
+            out.append((h, f"slab at unit {h}: unknown size class {c}"))
+        elif h + info.k > g.n_units:
+            out.append((h, f"slab at unit {h}: {info.k} units run past the data area"))
+        elif covered[h:h + info.k].any():
+            out.append((h, f"slab at unit {h}: overlaps another slab"))
+        else:
+            covered[h:h + info.k] = True
+    return out
+
+
+def _drop_bad_units(store) -> int:
+    """Every lock held: turn HEAD entries no reader or writer can use, and units in no valid state, into
+    FREE units. Their block metas are freed next (no block starts there any more), their index entries
+    dropped, and repair_pool clears the TAIL entries of dropped heads."""
+    alloc = store.alloc
+    bad = [h for h, _ in _bad_heads(store)]
+    bad += np.flatnonzero((alloc.states != UNIT_FREE) & (alloc.states != UNIT_HEAD)
+                          & (alloc.states != UNIT_TAIL)).tolist()
+    for u in bad:
+        U32.pack_into(store.mm, alloc._slab(u), UNIT_FREE)
+    return len(bad)
+
+
 def _repair_all(store, classes) -> int:
     alloc, g = store.alloc, store.geo
-    fixes = alloc.repair_pool()
+    fixes = _repair_classes(store)
+    fixes += _drop_bad_units(store)
+    fixes += alloc.repair_pool()
     # granules that are not block starts must be FREE
     starts = _block_starts(store)
     words = np.ndarray((g.n_granules,), dtype="<u8", buffer=store.mm, offset=g.off_blockmeta, strides=(32,))
@@ -82,16 +172,26 @@ def _repair_all(store, classes) -> int:
         bad = np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts)
         for gi in bad.tolist():
             w = int(words[gi])
-            store_u64(store.mm, g.off_blockmeta + gi * 32, (((w >> 2) + 1) << 2) | FREE)
+            store_u64(store.mm, g.off_blockmeta + gi * 32, next_word(w, FREE))
             fixes += 1
     finally:
         del words
     for s in range(g.index_shards):
-        kept, dropped = store.index.rebuild(s, store._entry_valid, salvage=store._entry_salvage)
+        kept, dropped = store.index.rebuild(s, lambda d, w, o: _readable(store, d, w, o),
+                                            salvage=store._entry_salvage)
         fixes += dropped
     for c in classes:
         fixes += alloc.repair_class(c)
     return fixes
+
+
+def _readable(store, d: bytes, word: int, offset: int) -> bool:
+    """Would a reader accept this index entry (docs/FORMAT.md section 8)? A LIVE block start of a usable
+    slab whose meta has the entry's word and digest and a length within the block."""
+    if word & 3 != LIVE or not store._entry_valid(d, word, offset):
+        return False
+    loc = store.alloc.block_index(offset)
+    return loc is not None and U32.unpack_from(store.mm, store.alloc.meta_off(offset) + 24)[0] <= loc[1].block
 
 
 def _block_starts(store) -> np.ndarray:
@@ -109,6 +209,12 @@ def _block_starts(store) -> np.ndarray:
 
 def _check(store, report: CheckReport, progress) -> None:
     g, alloc, mm = store.geo, store.alloc, store.mm
+    alloc._classes_version = -1  # re-read the table: a damaged entry does not bump classes_version
+    alloc.refresh_classes()
+    for cid in range(g.class_cap):
+        why = _class_entry_problem(store, cid)
+        if why:
+            report.problem(why)
     covered = np.full(g.n_units, -1, dtype=np.int64)
     class_slabs: dict[int, list[int]] = {}
     for h in np.flatnonzero(alloc.states == UNIT_HEAD).tolist():
@@ -172,6 +278,8 @@ def _check(store, report: CheckReport, progress) -> None:
                         live_blocks[off] = (word, d, owner)
                     elif state == RESERVED and not owner:
                         report.problem(f"block at data offset {off}: reserved by no process")
+            if U32.unpack_from(mm, s + SLAB_NBLOCKS)[0] != info.bps:
+                report.problem(f"slab {h}: block count {U32.unpack_from(mm, s + SLAB_NBLOCKS)[0]}, class has {info.bps}")
             if U32.unpack_from(mm, s + SLAB_NFREE)[0] != info.bps - used:
                 report.problem(f"slab {h}: free count {U32.unpack_from(mm, s + SLAB_NFREE)[0]}, "
                                f"bitmap/metas say {info.bps - used}")
@@ -188,21 +296,32 @@ def _check(store, report: CheckReport, progress) -> None:
             report.problem(f"class {c}: slab count {U32.unpack_from(mm, co + CLS_NSLABS)[0]}, found {len(heads)}")
         if U32.unpack_from(mm, co + CLS_USED)[0] != used_total:
             report.problem(f"class {c}: used count {U32.unpack_from(mm, co + CLS_USED)[0]}, found {used_total}")
-        walked, cur = set(), U32.unpack_from(mm, co + CLS_PARTIAL)[0]
+        walked, cur, prev = set(), U32.unpack_from(mm, co + CLS_PARTIAL)[0], 0
         for _ in range(g.n_units + 1):
             if cur == 0:
                 break
             if not 0 < cur <= g.n_units or (cur - 1) in walked:
                 report.problem(f"class {c}: partial list broken at link {cur}")
                 break
+            if U32.unpack_from(mm, alloc._slab(cur - 1) + SLAB_PREV)[0] != prev:
+                report.problem(f"class {c}: partial list back link of slab {cur - 1} is not {prev}")
             walked.add(cur - 1)
-            cur = U32.unpack_from(mm, alloc._slab(cur - 1) + SLAB_NEXT)[0]
+            prev, cur = cur, U32.unpack_from(mm, alloc._slab(cur - 1) + SLAB_NEXT)[0]
         if walked != partial_expected:
             report.problem(f"class {c}: partial list has {len(walked)} slabs, {len(partial_expected)} have free blocks")
+        for h in heads:
+            s = alloc._slab(h)
+            if h not in walked and (U32.unpack_from(mm, s + SLAB_NEXT)[0] or U32.unpack_from(mm, s + SLAB_PREV)[0]):
+                report.problem(f"slab {h}: not on the partial list but linked")
     for c in range(g.class_cap):
         info = alloc.classes[c]
-        if info is not None and c not in class_slabs and U32.unpack_from(mm, alloc._cls_off(c) + CLS_PARTIAL)[0]:
-            report.problem(f"class {c}: partial list not empty but the class has no slabs")
+        if info is not None and c not in class_slabs:
+            co = alloc._cls_off(c)
+            if U32.unpack_from(mm, co + CLS_PARTIAL)[0]:
+                report.problem(f"class {c}: partial list not empty but the class has no slabs")
+            if U32.unpack_from(mm, co + CLS_NSLABS)[0] or U32.unpack_from(mm, co + CLS_USED)[0]:
+                report.problem(f"class {c}: slab/used counts {U32.unpack_from(mm, co + CLS_NSLABS)[0]}/"
+                               f"{U32.unpack_from(mm, co + CLS_USED)[0]} but the class has no slabs")
 
     # index
     idx = store.index

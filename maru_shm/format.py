@@ -86,6 +86,12 @@ U32 = struct.Struct("<I")
 U16 = struct.Struct("<H")
 
 
+def next_word(word: int, state: int) -> int:
+    """The block meta word of the next lifetime: counter + 1 (wrapping at 62 bits: a damaged word may
+    hold any value, and a word must stay a u64), then the new state."""
+    return ((((word >> 2) + 1) << 2) & 0xFFFF_FFFF_FFFF_FFFC) | state
+
+
 def store_u64(buf, off: int, value: int) -> None:
     """Store an aligned little-endian u64 as one 8-byte write (a block meta or index entry word).
 
@@ -113,6 +119,11 @@ def _align(n: int, a: int) -> int:
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def _geometric_count(granule: int, max_value: int) -> int:
+    from .allocator.classes import geometric_sizes
+    return len(geometric_sizes(granule, max_value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +264,23 @@ class Geometry:
                 "it was truncated; recreate the pool")
         return geo
 
+    def _region_offsets(self) -> tuple:
+        return (self.off_locks, self.off_classes, self.off_procs, self.off_slabs, self.off_shards,
+                self.off_index, self.off_blockmeta, self.off_data)
+
+    def _planned_offsets(self, data_align: int) -> tuple:
+        """Where plan() puts the regions for these counts (data aligned to data_align: the unit, or 2 MiB on
+        DAX). A header re-signed with a valid checksum cannot move a region without changing a count."""
+        page = 4096
+        off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
+        off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
+        off_slabs = _align(off_procs + self.proc_slots * PROC_ENTRY, page)
+        off_shards = _align(off_slabs + self.n_units * SLAB_ENTRY, page)
+        off_index = _align(off_shards + self.index_shards * SHARD_HEADER, page)
+        off_meta = _align(off_index + self.index_slots * ENTRY_SIZE, page)
+        off_data = _align(off_meta + self.n_granules * META_SIZE, data_align)
+        return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
+
     def validate(self) -> None:
         """Cross-check the geometry so later arithmetic cannot leave the mapping."""
         problems = []
@@ -262,12 +290,16 @@ class Geometry:
             problems.append("unit larger than 256 granules")
         if not _is_pow2(self.index_shards) or not _is_pow2(self.shard_slots):
             problems.append("index shape")
-        if self.n_granules != self.n_units * self.unit_size // self.granule:
+        if self.granule <= 0 or self.n_granules != self.n_units * self.unit_size // self.granule:
             problems.append("granule count")
         if self.data_bytes != self.n_units * self.unit_size:
             problems.append("data size")
         if not 0 < self.n_geo_classes <= self.class_cap == CLASS_CAP:
             problems.append("class table")
+        if not self.granule <= self.max_value <= self.data_bytes:
+            problems.append("largest value")
+        elif _is_pow2(self.granule) and self.n_geo_classes != _geometric_count(self.granule, self.max_value):
+            problems.append("geometric class count")
         if not 0 < self.proc_slots <= LOCK_IDS:
             problems.append("process table")
         if self.index_shards > SHARD_LOCK_BASE:
@@ -286,5 +318,8 @@ class Geometry:
             end = off + size
         if end > self.file_size:
             problems.append("regions extend past the file size")
+        if not problems and self._region_offsets() not in (self._planned_offsets(self.unit_size),
+                                                           self._planned_offsets(2 << 20)):
+            problems.append("regions not where the counts put them")
         if problems:
             raise CorruptPoolError("pool geometry is inconsistent (" + ", ".join(problems) + "); recreate the pool")

@@ -9,6 +9,7 @@ and finds the file uninitialised.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -65,10 +66,45 @@ class PoolFile:
 
 
 def _check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool) -> None:
-    if not allow_foreign_owner and st.st_uid != os.geteuid():
+    """Who may attach (docs/FORMAT.md section 12): the file's owner; a member of the file's group when the
+    pool is in group mode (group read-write, nothing for others); anyone who passes allow_foreign_owner."""
+    euid = os.geteuid()
+    if allow_foreign_owner or st.st_uid == euid:
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    override = "pass allow_foreign_owner=True to override"
+    if mode & 0o060 != 0o060:
         raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()}); "
-            "refusing to share memory with another user (pass allow_foreign_owner=True to override)")
+            f"{path} is owned by uid {st.st_uid}, not by this user ({euid}), and is not in group mode "
+            f"(mode {mode:04o}, not 0660); refusing to share memory with another user ({override})")
+    if mode & 0o007:
+        raise PermissionDeniedError(
+            f"{path} is owned by uid {st.st_uid} and open to every user (mode {mode:04o}): anyone could have "
+            f"written it; refusing to attach (make it 0660, or {override})")
+    if st.st_gid not in {os.getegid(), *os.getgroups()}:
+        raise PermissionDeniedError(
+            f"{path} is owned by uid {st.st_uid} and shared with group {st.st_gid} (mode {mode:04o}), which "
+            f"this user ({euid}) is not in; refusing to attach ({override})")
+
+
+def check_mode(mode: int) -> None:
+    """Creation modes: owner read-write, optionally group bits (0660 to share, 0640 for read-only
+    inspection by the group); never bits for others, execute or special bits."""
+    if mode & ~0o660 or mode & 0o600 != 0o600:
+        raise PermissionDeniedError(
+            f"mode {mode:04o} is not a pool mode: use 0600 (this user only) or 0660 (shared with the file's "
+            "group); a pool open to every user could be written by anyone")
+
+
+def open_side_lock(path: str, mode: int) -> int:
+    """The lock file of a DAX device (created with the pool's mode; a symlink there is refused)."""
+    lock_path = side_lock_path(path)
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if os.path.islink(lock_path):
+            raise PermissionDeniedError(f"lock file {lock_path} of {path} is a symlink; refusing it") from None
+        raise PermissionDeniedError(f"cannot open the lock file {lock_path} of {path}: {e.strerror}") from None
 
 
 def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
@@ -89,9 +125,9 @@ def open_existing(path: str, flags: int, missing_hint: str = "") -> int:
     except FileNotFoundError:
         raise StoreError(f"{path} does not exist{missing_hint}") from None
     except OSError as e:
-        if os.path.islink(path):
+        if e.errno == errno.ELOOP or os.path.islink(path):  # O_NOFOLLOW met a symlink (even one swapped in late)
             raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
-        if e.errno in (13, 1):
+        if e.errno in (errno.EACCES, errno.EPERM):
             raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
         raise StoreError(f"cannot open {path}: {e.strerror}") from None
 
@@ -101,6 +137,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
     """Open (and if asked, create and initialise) the pool at `path` and map it."""
     if os.path.islink(path):
         raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path")
+    if create:
+        check_mode(mode)
     fd, created = _open_fd(path, create, mode)
     lock_fd = fd
     ok = False
@@ -111,7 +149,7 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
             raise NotAPoolError(f"{path} is neither a regular file nor a DAX device")
         _check_owner(st, path, allow_foreign_owner)
         if is_device:
-            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            lock_fd = open_side_lock(path, mode)
         if created and mode & 0o077:
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
         deadline = time.monotonic() + timeout

@@ -81,7 +81,7 @@ def _block_starts_ok(store, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray
     rel = offs - head * g.unit_size
     safe_blk = np.maximum(blk, 1)
     return ((st == UNIT_HEAD) | (st == UNIT_TAIL)) & (store.alloc.states[head] == UNIT_HEAD) & (blk > 0) \
-        & (rel % safe_blk == 0) & (rel // safe_blk < bps[cid]) & (lengths <= blk)
+        & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < bps[cid]) & (lengths <= blk)
 
 
 __all__ = ["resolve", "Resolved", "SLAB_ENTRY"]

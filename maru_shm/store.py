@@ -627,8 +627,12 @@ class Store:
             info = class_of.get(length, False)
             if info is False:
                 info = class_of[length] = self.alloc.class_for(length) if length <= max_value else None
-            if info is not None:
-                groups.setdefault(info.cid, (info, []))[1].append(i)
+            if info is None:
+                continue
+            if length > info.block:  # never copy past the block: it would overwrite its neighbours
+                raise StoreError(f"internal error: class {info.cid} ({info.block}-byte blocks) chosen for "
+                                 f"a {length}-byte value")
+            groups.setdefault(info.cid, (info, []))[1].append(i)
         owner = self.slot + 1
         placed_i: list[int] = []
         placed_off: list[int] = []
@@ -717,10 +721,19 @@ class Store:
                     if cur is not None and self._entry_valid(d, cur[0], cur[1]):
                         res[i] = True  # someone published it first: theirs stays, ours is spare
                         continue
-                while index.is_full(s):
-                    victim = index.clock_victim(s, self.alloc.is_referenced)
-                    if victim is None:
+                rebuilt = False
+                for _ in range(2 * index.slots):  # bounded, whatever the shard says
+                    if not index.is_full(s):
                         break
+                    victim = index.clock_victim(s, self.alloc.is_referenced)
+                    if victim is None or index.find(victim[0]) != victim[1:]:
+                        # A count above the entries present, or an entry its own probe cannot reach
+                        # (damage: removing it would fail, forever): rebuild the shard, once.
+                        if rebuilt:
+                            break
+                        self._shard_repair(s)()
+                        rebuilt = True
+                        continue
                     vd, vword, voff = victim
                     claim(voff, vword)
                     index.remove(s, vd)

@@ -10,7 +10,8 @@
   os._exit) and SIGKILLs any that are still alive at teardown.
 - `assert_clean(store)`: reap dead processes, then check() must find nothing.
 - a collection hook that spreads the per-worker instances of the shared-pool
-  test over the xdist workers' first batches (see test_multiprocess.py).
+  tests over the xdist workers' first batches (see test_multiprocess.py,
+  tests/stress/test_stress.py).
 
 The helpers are plain functions too, so forked children can call them.
 """
@@ -74,29 +75,40 @@ def check_value(key, data) -> bool:
     return value_version(key, data) is not None
 
 
+# Tests with one instance per xdist worker that want all their instances running at once on one pool.
+PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, put one instance of the shared-pool test at the head of every worker's first batch.
+    """Under pytest-xdist, put one instance of each per-worker test at the head of every worker's first batch.
 
-    test_multiprocess.test_shared_pool_mixed_workload has one instance per worker and wants them all to
-    run at the same time on one pool. xdist's `load` scheduling hands each worker a first chunk of
-    consecutive items (round-robin single items when there are few), so the instances are spaced one
-    chunk apart. With any other order the test still passes; the workers just overlap less.
+    test_stress.test_stress_shared_pool and test_multiprocess.test_shared_pool_mixed_workload have one
+    instance per worker and want them all to run at the same time on one pool. xdist's `load`
+    scheduling hands each worker a first chunk of consecutive items (round-robin single items when
+    there are few), so the instances are spaced one chunk apart: worker i starts with instance i of
+    each. With any other order the tests still pass; the workers just overlap less.
     """
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 2:
         return
-    shared = [it for it in items if getattr(it, "originalname", "") == "test_shared_pool_mixed_workload"]
-    if len(shared) < 2:
+    groups = [[it for it in items if getattr(it, "originalname", "") == name] for name in PER_WORKER_TESTS]
+    groups = [g for g in groups if len(g) >= 2]
+    if not groups:
         return
-    rest = [it for it in items if it not in shared]
+    special = {id(it) for g in groups for it in g}
+    rest = [it for it in items if id(it) not in special]
     total = len(items)
     chunk = 1 if total < 2 * workers else max(2, total // workers // 4)
+    if chunk < len(groups):  # round-robin: group after group, so worker i gets instance i of each
+        items[:] = [it for g in groups for it in g] + rest
+        return
     ordered = []
-    for it in shared:
-        ordered.append(it)
-        ordered.extend(rest[:chunk - 1])
-        rest = rest[chunk - 1:]
+    for i in range(max(len(g) for g in groups)):
+        heads = [g[i] for g in groups if i < len(g)]
+        ordered.extend(heads)
+        ordered.extend(rest[:chunk - len(heads)])
+        rest = rest[chunk - len(heads):]
     items[:] = ordered + rest
 
 

@@ -7,6 +7,7 @@ from the SGLang host pool) gets a class of exactly its size, so its waste is 0.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ..format import MAX_BLOCKS_PER_SLAB
@@ -60,3 +61,14 @@ def slab_shape(block_size: int, unit_size: int, max_units: int = 64, min_bytes: 
             break
     assert best is not None
     return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=16)
+def planned_geometric(granule: int, unit_size: int, max_value: int) -> tuple:
+    """(kind=1, units per slab, block size, blocks per slab) of every geometric class, as creation writes
+    them (poolfile._write_header): the only valid contents of geometric class entries."""
+    out = []
+    for block in geometric_sizes(granule, max_value):
+        k, bps = slab_shape(block, unit_size)
+        out.append((1, k, block, bps))
+    return tuple(out)

@@ -18,9 +18,10 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       DEMAND_EPOCH_OFF, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
                       LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
-                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, store_u64)
+                      SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
+                      store_u64)
 from .. import crashpoints as _cp
-from .classes import EXACT_MIN_SLAB, slab_shape
+from .classes import EXACT_MIN_SLAB, planned_geometric, slab_shape
 
 # Demand counters (FORMAT.md section 4): every class's counter halves each time the pool has allocated
 # data_bytes / DEMAND_EPOCH_DIV bytes (an epoch).
@@ -75,7 +76,8 @@ class Allocator:
         self.cls_epoch = np.ndarray((cap,), dtype="<u4", buffer=self.mm, offset=oc + CLS_DEMAND_EPOCH,
                                     strides=(CLASS_ENTRY,))
         self.classes: list[ClassInfo | None] = []
-        self.geo_sizes: list[int] = []
+        self.geo_sizes: list[int] = []  # block sizes of the usable geometric classes, ascending
+        self.geo_cids: list[int] = []   # their class ids (not the list position: unusable classes are skipped)
         self.exact: dict[int, int] = {}
         self._classes_version = -1
         self.refresh_classes()
@@ -90,18 +92,26 @@ class Allocator:
         (ver,) = U32.unpack_from(self.mm, CLASSES_VERSION_OFF)
         if ver == self._classes_version:
             return
-        classes, geo_sizes, exact = [], [], {}
+        classes, geo, exact = [], [], {}
+        planned = planned_geometric(self.G, self.U, self.geo.max_value)
         for cid in range(self.geo.class_cap):
             kind, k, block, bps = CLASS_STRUCT.unpack_from(self.mm, self.off_classes + cid * CLASS_ENTRY)[:4]
             valid = (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= self.n_units and 0 < block <= k * self.U
                      and 0 < bps <= 256 and bps * block <= k * self.U and block >= self.G)
+            if cid < self.geo.n_geo_classes and cid < len(planned):
+                valid = valid and (kind, k, block, bps) == planned[cid]  # fixed at creation: damage = unusable
             info = ClassInfo(cid, kind, k, block, bps) if valid else None
             classes.append(info)
             if info and kind == KIND_GEOMETRIC and cid < self.geo.n_geo_classes:
-                geo_sizes.append(block)
+                geo.append((block, cid))
             elif info and kind == KIND_EXACT:
                 exact[block] = cid
-        self.classes, self.geo_sizes, self.exact = classes, geo_sizes, exact
+        geo.sort()  # ascending by construction; sorted anyway so bisect holds whatever the table says
+        self.geo_sizes, self.geo_cids = [b for b, _ in geo], [c for _, c in geo]
+        self.classes, self.exact = classes, exact
+        # units per slab by class id (0: unusable), for finding slabs that reach into a run of units
+        self._kvec = np.array([c.k if c else 0 for c in classes] + [0], dtype=np.int64)
+        self._kmax = int(self._kvec.max())
         self._classes_version = ver
 
     def class_arrays(self):
@@ -132,7 +142,7 @@ class Allocator:
         i = bisect.bisect_left(self.geo_sizes, max(n, 1))
         if i >= len(self.geo_sizes):
             return None
-        return self.classes[i]
+        return self.classes[self.geo_cids[i]]  # by class id: position i is not class i once one is skipped
 
     def declare_exact(self, n: int) -> ClassInfo:
         """Give block size n its own class (idempotent); geometric fallback when the table is full."""
@@ -149,7 +159,11 @@ class Allocator:
             for cid in range(self.geo.n_geo_classes, self.geo.class_cap):
                 off = self.off_classes + cid * CLASS_ENTRY
                 if U32.unpack_from(self.mm, off)[0] == KIND_UNUSED:
-                    k, bps = slab_shape(n, self.U, min_bytes=EXACT_MIN_SLAB)
+                    # The 2 MiB exact-slab floor only where it is at most a quarter of the pool, and never
+                    # more than a quarter of the units (a slab of more units than the pool has would make the
+                    # entry invalid: refresh_classes drops it, and declare_size raised KeyError).
+                    floor = EXACT_MIN_SLAB if 4 * EXACT_MIN_SLAB <= self.geo.data_bytes else 0
+                    k, bps = slab_shape(n, self.U, max_units=min(64, max(1, self.n_units // 4)), min_bytes=floor)
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
                     if _cp.ARMED is not None:
@@ -173,7 +187,7 @@ class Allocator:
         return U32.unpack_from(self.mm, off)[0]
 
     def _set32(self, off: int, v: int) -> None:
-        U32.pack_into(self.mm, off, v)
+        U32.pack_into(self.mm, off, v & 0xFFFFFFFF)  # a damaged counter + 1 wraps (repair recounts)
 
     def meta_off(self, offset: int) -> int:
         return self.off_meta + (offset // self.G) * META_SIZE
@@ -204,7 +218,7 @@ class Allocator:
             return None
         rel = offset - h * self.U
         i, r = divmod(rel, info.block)
-        if r or i >= info.bps:
+        if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
             return None
         return h, info, i
 
@@ -283,20 +297,36 @@ class Allocator:
                 out.extend(pending)
                 pending.clear()
 
+        rebuilt = False
+        # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
+        rounds = m + 2 * self.n_units + 4
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
             self._add_demand(cid, m * info.block)
-            while len(out) + len(pending) < m:
+            while len(out) + len(pending) < m and rounds > 0:
+                rounds -= 1
                 head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
-                if head == 0 or head - 1 >= self.n_units:
+                if head == 0:
                     reserve_pending()
-                    if head:
-                        self.repair_class(cid)
-                        continue
                     if not self._make_room(info, m - len(out)):
                         break
                     continue
                 h = head - 1
                 s = self._slab(h)
+                if (h >= self.n_units or self._get32(s) != UNIT_HEAD or self._get32(s + 4) != cid
+                        or h + info.k > self.n_units or not self.mm[s + SLAB_INPARTIAL]
+                        or self._get32(s + SLAB_NBLOCKS) != info.bps
+                        or (info.k > 1 and not ((self.states[h + 1:h + info.k] == UNIT_TAIL).all()
+                                                and (self.clsfield[h + 1:h + info.k] == h).all()))):
+                    # The list names no partial slab of this class, or a slab whose extent or shape is not
+                    # the class's (damage): blocks reserved there would overlap another slab's values.
+                    # Rebuild the class from the slab table, once (blocks taken so far are reserved first:
+                    # the rebuild derives the bitmaps from the block metas).
+                    reserve_pending()
+                    if rebuilt:
+                        break
+                    self.repair_class(cid)
+                    rebuilt = True
+                    continue
                 nfree = self._get32(s + SLAB_NFREE)
                 bits = np.unpackbits(np.frombuffer(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], np.uint8),
                                      bitorder="little")
@@ -504,18 +534,33 @@ class Allocator:
             return []
         free = self.states == UNIT_FREE
         if k == 1:
-            return np.flatnonzero(free)[:count].tolist()
-        cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
-        starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
+            starts = np.flatnonzero(free).tolist()
+        else:
+            cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
+            starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
         out: list[int] = []
         nxt = -1
         for u in starts:
-            if u >= nxt:
+            if u >= nxt and not self._reached_by_earlier_slab(u):
                 out.append(u)
                 nxt = u + k
                 if len(out) == count:
                     break
         return out
+
+    def _reached_by_earlier_slab(self, u: int) -> bool:
+        """Does a slab whose HEAD is before unit u extend to u or beyond?
+
+        HEAD entries are the truth and TAIL entries derived, so a unit inside a slab's extent is not
+        free whatever its own (damaged) entry says; a slab formatted there would overwrite that slab's
+        values.
+        """
+        lo = max(0, u - self._kmax + 1)
+        heads = np.flatnonzero(self.states[lo:u] == UNIT_HEAD) + lo
+        if not heads.size:
+            return False
+        cls = np.minimum(self.clsfield[heads], len(self._kvec) - 1).astype(np.int64)
+        return bool((heads + self._kvec[cls] > u).any())
 
     def _format_slab(self, h: int, info: ClassInfo) -> None:
         """CLASS and POOL held: make units h .. h+k-1 a slab of the class.
@@ -566,7 +611,7 @@ class Allocator:
         """CLASS lock held: mark a block FREE (word bumped first, so readers miss) and update derived state."""
         m = self.meta_off(off)
         (word,) = U64.unpack_from(self.mm, m)
-        store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+        store_u64(self.mm, m, next_word(word, FREE))
         U16.pack_into(self.mm, m + 28, 0)
         self.mm[m + 30] = 0
         if self._bit(h, i):
@@ -587,11 +632,14 @@ class Allocator:
                     self.mm[r] = 0
         return hit
 
-    def _heads_in(self, w0: int, k: int) -> list[int]:
+    def _heads_in(self, w0: int, k: int) -> list[int] | None:
+        """Heads of the slabs overlapping units [w0, w0 + k); None if a TAIL there names no HEAD before it."""
         heads: list[int] = []
         for u in range(w0, w0 + k):
             st = self._get32(self._slab(u))
             h = u if st == UNIT_HEAD else (self._get32(self._slab(u) + 4) if st == UNIT_TAIL else None)
+            if h is not None and st == UNIT_TAIL and not (0 <= h < u and self._get32(self._slab(h)) == UNIT_HEAD):
+                return None  # damaged (repair_pool rewrites tails): not a window to evict
             if h is not None and (not heads or heads[-1] != h):
                 heads.append(h)
         return heads
@@ -624,13 +672,15 @@ class Allocator:
 
     def _evict_window(self, w0: int, k: int, my_cid: int) -> bool:
         heads = self._heads_in(w0, k)
+        if heads is None:
+            return False
         locked: list[int] = []
         try:
             infos = []
             for h in heads:
                 c = self._get32(self._slab(h) + 4)
                 cinfo = self.classes[c] if c < len(self.classes) else None
-                if cinfo is None:
+                if cinfo is None or h + cinfo.k > self.n_units:
                     return False
                 if c != my_cid and c not in locked:
                     r = self.ctx.locks.acquire(CLASS_LOCK_BASE + c, blocking=False)
@@ -742,7 +792,7 @@ class Allocator:
         info = self.classes[cid] if cid < len(self.classes) else None
         if info is None:
             return 0
-        heads = self.class_slabs(cid)
+        heads = [h for h in self.class_slabs(cid) if h + info.k <= self.n_units]  # not past the data area
         drop: set[int] = set()
         ask = []  # LIVE blocks kept only if indexed: (digest, offset, word, dead owner to clear or 0)
         for h in heads:
@@ -782,7 +832,7 @@ class Allocator:
                 if word & 3 == FREE:
                     continue
                 if off in drop:
-                    store_u64(self.mm, m, (((word >> 2) + 1) << 2) | FREE)
+                    store_u64(self.mm, m, next_word(word, FREE))
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1
                     continue

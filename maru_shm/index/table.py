@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
+from ..errors import CorruptPoolError
 from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
@@ -93,6 +94,7 @@ class Index:
         return SHARD_STRUCT.unpack_from(self.mm, self.off_hdr + shard * SHARD_HEADER)[0]
 
     def _set_count(self, shard: int, n: int) -> None:
+        n &= 0xFFFFFFFF  # a damaged count + 1 wraps (shard repair recounts)
         self.mm[self.off_hdr + shard * SHARD_HEADER:self.off_hdr + shard * SHARD_HEADER + 4] = n.to_bytes(4, "little")
 
     def _find_pos(self, shard: int, d: bytes):
@@ -162,8 +164,9 @@ class Index:
         (the writer claims the old block there, so a crash never orphans it).
         """
         found, pos = self._find_pos(shard, d)
-        if pos is None:
-            raise RuntimeError("index shard has no empty slot")  # impossible below the load limit
+        if pos is None:  # impossible below the load limit: the shard's entries or its count are damaged
+            raise CorruptPoolError(f"index shard {shard} has no empty slot: the pool is damaged; "
+                                   "run `maru-shm check --repair`")
         e = self.entry_off(shard, pos)
         if found is not None and on_replace is not None:
             on_replace(*found)
@@ -249,7 +252,7 @@ class Index:
         return out
 
     def rebuild(self, shard: int, keep, salvage=None) -> tuple[int, int]:
-        """Drop entries `keep(d, word, offset)` rejects and duplicates, re-insert the rest.
+        """Drop entries `keep(d, word, offset)` rejects, duplicates and keys of other shards; re-insert the rest.
 
         `salvage(d, word, offset)`, if given, is asked about each rejected entry and may return the
         word to keep it with instead (0: drop it). Returns (kept, dropped). Used by shard repair after
@@ -258,7 +261,7 @@ class Index:
         seen = {}
         dropped = 0
         for _, ed, word, offset in self.entries(shard):
-            if ed in seen:
+            if ed in seen or self.shard_of(ed) != shard:
                 dropped += 1
                 continue
             if not keep(ed, word, offset):

@@ -11,6 +11,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from maru_shm import CorruptPoolError
 from maru_shm.format import ENTRY_STRUCT, Geometry
 from maru_shm.index import Index, key_digest
 
@@ -135,7 +136,7 @@ def test_probe_loops_are_bounded_on_a_full_or_garbage_shard():
     assert idx.find(missing) is None
     assert idx.remove(0, missing) is None
     assert idx._find_pos(0, missing) == (None, None)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(CorruptPoolError, match="no empty slot"):  # a StoreError, like every damage
         idx.put(0, missing, 6, 0)
     assert idx.find(dig(1000 + 31, 31)) == (6, 0)
     victim = idx.clock_victim(0, lambda off, clear=False: True)  # all referenced: falls back, terminates
