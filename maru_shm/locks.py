@@ -185,6 +185,8 @@ class LockTable:
         ids = sorted(set(lock_ids))
         if ids and (ids[0] < 0 or ids[-1] >= LOCK_IDS):
             raise ValueError("acquire_many takes lock ids that have records")
+        if len(ids) == 1:  # the common single-key case: no numpy over the records
+            return ids if self.acquire(ids[0], timeout=timeout) else []
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         taken_t: list[threading.Lock] = []
@@ -221,6 +223,9 @@ class LockTable:
     def release_many(self, lock_ids, *, clean: bool = True) -> None:
         """Release locks taken by acquire_many; with clean=False their dirty marks stay."""
         ids = sorted(set(lock_ids))
+        if len(ids) == 1:
+            self.release(ids[0], clean=clean)
+            return
         if clean:
             self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
         for first, n in _runs(ids):

@@ -20,7 +20,8 @@ from . import crashpoints as _cp
 from .allocator import Allocator
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry)
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
+                     store_u64)
 from .index import Index, digest_array, key_digest
 from .resolve import resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
@@ -28,6 +29,9 @@ from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
+# Batches up to this size take the scalar commit and index paths: a numpy call costs a few
+# microseconds whatever its length, which only pays off over many keys.
+SMALL_BATCH = 8
 Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, in order
 
 
@@ -650,13 +654,18 @@ class Store:
         evicted = evicted_bytes = 0
         if placed_off:
             words = self.alloc.meta_words
-            offs_np = np.array(placed_off, dtype=np.int64)
-            ends = offs_np + np.array([lengths[i] for i in placed_i], dtype=np.int64)
-            if int(offs_np.min()) < 0 or int(ends.max()) > self.geo.data_bytes:
+            small = len(placed_off) <= SMALL_BATCH
+            data_bytes, gran, mm = self.geo.data_bytes, self.geo.granule, self.mm
+            if min(placed_off) < 0 or max(off + lengths[i] for i, off in zip(placed_i, placed_off)) > data_bytes:
                 raise StoreError("internal error: block outside the data area")
-            gidx = offs_np // self.geo.granule
-            reserved = words[gidx]
-            mine.update(zip(placed_off, reserved.tolist()))
+            if small:
+                gidx = [off // gran for off in placed_off]
+                reserved = [U64.unpack_from(mm, self.alloc.off_meta + gi * 32)[0] for gi in gidx]
+                mine.update(zip(placed_off, reserved))
+            else:
+                gidx = np.array(placed_off, dtype=np.int64) // gran
+                reserved = words[gidx]
+                mine.update(zip(placed_off, reserved.tolist()))
             # copy, without locks
             data, memmove = self._data, ctypes.memmove
             for i, off in zip(placed_i, placed_off):
@@ -667,9 +676,15 @@ class Store:
                     if armed is not None:
                         _cp.hit("put.mid_copy")
             # commit every copied block: RESERVED -> LIVE with the next sequence, one 8-byte store each
-            live = (((reserved >> 2) + 1) << 2) | LIVE
-            words[gidx] = live
-            lives = live.tolist()
+            if small:
+                lives = [next_word(w, LIVE) for w in reserved]
+                for gi, w in zip(gidx, lives):
+                    store_u64(mm, self.alloc.off_meta + gi * 32, w)  # one 8-byte store each
+                live = lives
+            else:
+                live = (((reserved >> 2) + 1) << 2) | LIVE
+                words[gidx] = live
+                lives = live.tolist()
             mine.update(zip(placed_off, lives))
             if armed is not None:
                 _cp.hit("put.before_index")
@@ -694,23 +709,34 @@ class Store:
         Returns (published flags, blocks to free, evictions, evicted bytes).
         """
         mm, index, data_end = self.mm, self.index, self.geo.data_bytes
-        shard_arr = (darr.view("<u8")[:, 0] & np.uint64(index.smask))[placed_i]
-        order = np.argsort(shard_arr, kind="stable").tolist()
-        shards = shard_arr.tolist()
+        small = len(placed_i) <= SMALL_BATCH
+        if small:
+            shards = [index.shard_of(digests[i]) for i in placed_i]
+            order = sorted(range(len(placed_i)), key=shards.__getitem__)
+        else:
+            shard_arr = (darr.view("<u8")[:, 0] & np.uint64(index.smask))[placed_i]
+            order = np.argsort(shard_arr, kind="stable").tolist()
+            shards = shard_arr.tolist()
         published = [False] * len(placed_i)
         to_free: list[tuple[int, int]] = []
         evicted = evicted_bytes = 0
         claim = self._claim_for_free
         with self.locks.hold_many([SHARD_LOCK_BASE + s for s in set(shards)], repair_for=self._repair_shard_lock):
-            still = self.alloc.meta_words[gidx] == live  # not freed under us (we are alive: never)
-            cand = np.flatnonzero(still)
-            for k in cand.tolist():
-                del mine[placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
-            fast = index.insert_absent(shard_arr[cand], darr.view("<u8")[placed_i][cand], live[cand],
-                                       np.array(placed_off, dtype=np.uint64)[cand])
-            for k in cand[fast].tolist():
-                res[placed_i[k]] = published[k] = True
-            slow = set(cand[~fast].tolist())
+            if small:  # not freed under us (we are alive: never); every key by the scalar path
+                slow = {k for k, gi in enumerate(gidx)
+                        if U64.unpack_from(mm, self.alloc.off_meta + gi * 32)[0] == lives[k]}
+                for k in slow:
+                    del mine[placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
+            else:
+                still = self.alloc.meta_words[gidx] == live
+                cand = np.flatnonzero(still)
+                for k in cand.tolist():
+                    del mine[placed_off[k]]
+                fast = index.insert_absent(shard_arr[cand], darr.view("<u8")[placed_i][cand], live[cand],
+                                           np.array(placed_off, dtype=np.uint64)[cand])
+                for k in cand[fast].tolist():
+                    res[placed_i[k]] = published[k] = True
+                slow = set(cand[~fast].tolist())
             for k in order:
                 if k not in slow:
                     continue
@@ -752,9 +778,14 @@ class Store:
             # *their* owner, making their in-flight block evictable under them.
             if _cp.ARMED is not None:
                 _cp.hit("put.before_disown")
-            pub = np.flatnonzero(np.array(published, dtype=bool))
-            if len(pub):
-                self.alloc.meta_owners[gidx[pub]] = 0
+            if small:
+                for k, gi in enumerate(gidx):
+                    if published[k]:
+                        U16.pack_into(mm, self.alloc.off_meta + gi * 32 + 28, 0)
+            else:
+                pub = np.flatnonzero(np.array(published, dtype=bool))
+                if len(pub):
+                    self.alloc.meta_owners[gidx[pub]] = 0
         return published, to_free, evicted, evicted_bytes
 
     def _repair_shard_lock(self, lock_id: int) -> None:

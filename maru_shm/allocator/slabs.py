@@ -285,15 +285,26 @@ class Allocator:
         """
         cid = info.cid
         m = len(items)
-        dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
-        lens = np.fromiter((n for _, n in items), dtype=np.uint64, count=m)
+        small = m <= 8  # a few blocks: scalar bitmap and meta writes (numpy's fixed cost would dominate)
+        if not small:
+            dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
+            lens = np.fromiter((n for _, n in items), dtype=np.uint64, count=m)
         out: list[int] = []
         pending: list[int] = []
 
         def reserve_pending():
             if pending:
                 k = len(out)
-                self._reserve_many(pending, dig[k:k + len(pending)], lens[k:k + len(pending)], owner)
+                if small:
+                    for j, off in enumerate(pending):
+                        d, length = items[k + j]
+                        mo = self.meta_off(off)
+                        (word,) = U64.unpack_from(self.mm, mo)
+                        # FREE -> RESERVED in one write of bytes 0..30 (byte 31 untouched)
+                        self.mm[mo:mo + META_STRUCT.size] = META_STRUCT.pack(next_word(word, RESERVED), d, length,
+                                                                             owner, 0)
+                else:
+                    self._reserve_many(pending, dig[k:k + len(pending)], lens[k:k + len(pending)], owner)
                 out.extend(pending)
                 pending.clear()
 
@@ -328,14 +339,28 @@ class Allocator:
                     rebuilt = True
                     continue
                 nfree = self._get32(s + SLAB_NFREE)
-                bits = np.unpackbits(np.frombuffer(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], np.uint8),
-                                     bitorder="little")
-                free = np.flatnonzero(bits[:info.bps] == 0)[:m - len(out) - len(pending)]
-                got = len(free)
-                if got:
-                    bits[free] = 1
-                    self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
-                    pending += (h * self.U + free * info.block).tolist()
+                want = m - len(out) - len(pending)
+                if small:
+                    bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
+                    free_bits = ~bm & ((1 << info.bps) - 1)
+                    got = 0
+                    while free_bits and got < want:
+                        low = free_bits & -free_bits
+                        free_bits ^= low
+                        bm |= low
+                        pending.append(h * self.U + (low.bit_length() - 1) * info.block)
+                        got += 1
+                    if got:
+                        self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = bm.to_bytes(32, "little")
+                else:
+                    bits = np.unpackbits(np.frombuffer(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], np.uint8),
+                                         bitorder="little")
+                    free = np.flatnonzero(bits[:info.bps] == 0)[:want]
+                    got = len(free)
+                    if got:
+                        bits[free] = 1
+                        self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = np.packbits(bits, bitorder="little").tobytes()
+                        pending += (h * self.U + free * info.block).tolist()
                 nfree = max(0, nfree - got)
                 if got == 0:
                     nfree = 0  # bitmap says full: the count was stale
