@@ -226,10 +226,15 @@ def apply(image: bytes, mutations) -> bytearray:
 
 def changed_ranges(t: Template, img) -> np.ndarray:
     """Byte positions (within the template's length) where img differs from the template."""
-    n = min(len(img), t.size)
-    a = np.frombuffer(t.image, dtype=np.uint8, count=n)
-    b = np.frombuffer(bytes(img[:n]), dtype=np.uint8, count=n)
-    return np.flatnonzero(a != b)
+    n = min(len(img), t.size) // 8 * 8
+    a = np.frombuffer(t.image, dtype="<u8", count=n // 8)
+    b = np.frombuffer(img, dtype="<u8", count=n // 8)
+    words = np.flatnonzero(a != b)  # compare 8 bytes at a time, then look inside the words that differ
+    pos = (words[:, None] * 8 + np.arange(8)).ravel()
+    ab, bb = np.frombuffer(t.image, dtype=np.uint8), np.frombuffer(img, dtype=np.uint8)
+    tail = np.arange(n, min(len(img), t.size))  # the last < 8 bytes
+    pos = np.concatenate((pos, tail))
+    return pos[ab[pos] != bb[pos]]
 
 
 def tainted_keys(t: Template, img) -> set:
@@ -248,14 +253,15 @@ def tainted_keys(t: Template, img) -> set:
         m = g.off_blockmeta + (off // g.granule) * META_SIZE
         if ((diff >= m + 24) & (diff < m + 28)).any():
             out.add(k)
-    metas = np.frombuffer(bytes(img), dtype=np.uint8, count=g.n_granules * META_SIZE,
-                          offset=g.off_blockmeta).reshape(-1, META_SIZE)
-    words = metas[:, :8].copy().view("<u8").ravel()
-    for k, (off, _) in t.blocks.items():
-        d = np.frombuffer(key_digest(k), dtype=np.uint8)
-        claim = np.flatnonzero((metas[:, 8:24] == d).all(axis=1) & ((words & 3) == LIVE))
-        if any(int(gi) != off // g.granule for gi in claim):
-            out.add(k)
+    # only a meta record the corruption changed can newly claim a key's digest
+    lo, hi = g.off_blockmeta, g.off_blockmeta + g.n_granules * META_SIZE
+    changed = {(int(p) - lo) // META_SIZE for p in diff[(diff >= lo) & (diff < hi)]}
+    owners = {key_digest(k): off // g.granule for k, (off, _) in t.blocks.items()}
+    names = {key_digest(k): k for k in t.blocks}
+    for gi in changed:
+        word, d = META_STRUCT.unpack_from(img, lo + gi * META_SIZE)[:2]
+        if word & 3 == LIVE and d in owners and owners[d] != gi:
+            out.add(names[d])
     return out
 
 
