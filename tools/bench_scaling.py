@@ -52,6 +52,7 @@ class _LockMeter:
         self.locks = locks
         self.acquire_ns = self.wait_ns = self.acquires = self.waited = 0
         self._busy = False
+        self._depth = 0
         orig_acquire, orig_try = locks.LockTable.acquire, locks.ofd_trylock
         pc = time.perf_counter_ns
         meter = self
@@ -62,37 +63,30 @@ class _LockMeter:
                 meter._busy = True
             return ok
 
-        def acquire(self, lock_id, **kw):
-            meter._busy = False
-            t0 = pc()
-            try:
-                return orig_acquire(self, lock_id, **kw)
-            finally:
-                dt = pc() - t0
-                meter.acquire_ns += dt
-                meter.acquires += 1
-                if meter._busy and kw.get("blocking", True):  # a failed try-lock is not a wait
-                    meter.wait_ns += dt
-                    meter.waited += 1
-
-        orig_many = locks.LockTable.acquire_many
-
-        def acquire_many(self, lock_ids, **kw):  # a batch taking several shard locks together
-            meter._busy = False
-            t0 = pc()
-            try:
-                return orig_many(self, lock_ids, **kw)
-            finally:
-                dt = pc() - t0
-                meter.acquire_ns += dt
-                meter.acquires += 1
-                if meter._busy:
-                    meter.wait_ns += dt
-                    meter.waited += 1
+        def timed(orig, counts_as_wait):
+            """Wrap a lock-taking method: time inside it, and whether a try-lock inside found it taken."""
+            def wrapper(self, arg, **kw):
+                if meter._depth:  # acquire_many of a single id calls acquire: count the outer call only
+                    return orig(self, arg, **kw)
+                meter._depth += 1
+                meter._busy = False
+                t0 = pc()
+                try:
+                    return orig(self, arg, **kw)
+                finally:
+                    meter._depth -= 1
+                    dt = pc() - t0
+                    meter.acquire_ns += dt
+                    meter.acquires += 1
+                    if meter._busy and counts_as_wait(kw):
+                        meter.wait_ns += dt
+                        meter.waited += 1
+            return wrapper
 
         locks.ofd_trylock = trylock  # the lock paths look the name up in their module at call time
-        locks.LockTable.acquire = acquire
-        locks.LockTable.acquire_many = acquire_many
+        # a failed non-blocking try-lock is not a wait; a batch of shard locks always blocks
+        locks.LockTable.acquire = timed(orig_acquire, lambda kw: kw.get("blocking", True))
+        locks.LockTable.acquire_many = timed(locks.LockTable.acquire_many, lambda kw: True)
 
     def take(self) -> tuple[int, int, int, int]:
         r = (self.acquire_ns, self.wait_ns, self.acquires, self.waited)
