@@ -58,6 +58,7 @@ class MaruStorage(HiCacheStorage):
         self.pieces_per_page = 0
         self._ns_base: str | None = None
         self._ns_cache: tuple[float, str] | None = None
+        self._nonce: bytes | None = None  # the namespace nonce last read (restored if its record is evicted)
         self._logged: set = set()
         self._lock = threading.Lock()
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
@@ -155,8 +156,14 @@ class MaruStorage(HiCacheStorage):
         rec = f"__maru_ns__/{self._ns_base}"
         nonce = self.store.get(rec)
         if nonce is None or len(nonce) != NONCE_BYTES:
-            self.store.batch_put([rec], [os.urandom(NONCE_BYTES)], skip_existing=True)
-            nonce = self.store.get(rec) or b""
+            # Never written, or evicted (it is an ordinary small value and a full pool evicts). Restore
+            # the nonce this process last saw rather than drawing a new one: an eviction of this record
+            # must not hide every page of the namespace. Only clear() changes the nonce. The first
+            # writer wins (skip_existing), so processes that disagree converge on one record.
+            known = self._nonce if self._nonce is not None else os.urandom(NONCE_BYTES)
+            self.store.batch_put([rec], [known], skip_existing=True)
+            nonce = self.store.get(rec) or known
+        self._nonce = nonce
         prefix = f"{self._ns_base}|{nonce.hex()}/"
         self._ns_cache = (now, prefix)
         return prefix
@@ -352,7 +359,8 @@ class MaruStorage(HiCacheStorage):
         """Retire this instance's namespace: its pages become unreachable at once, eviction reclaims them."""
         if self._ns_base is None:
             return
-        self.store.put(f"__maru_ns__/{self._ns_base}", os.urandom(NONCE_BYTES))
+        self._nonce = os.urandom(NONCE_BYTES)
+        self.store.put(f"__maru_ns__/{self._ns_base}", self._nonce)
         self._ns_cache = None
         logger.info("maru: cleared namespace %s", self._ns_base)
 

@@ -125,6 +125,22 @@ def test_clear_retires_only_this_namespace(make_instance, pool_path):
     assert llama.batch_exists(keys) == 2
 
 
+def test_evicted_namespace_record_does_not_hide_the_pages(make_instance, pool_path):
+    """The nonce record is an ordinary small value a full pool may evict: every attachment that knew
+    the nonce restores it, so the namespace's pages stay reachable (only clear() changes it)."""
+    host, llama = make_instance(pages=8)
+    hh.fill_random(host, 6)
+    _, llama_twin = make_instance(pages=8)
+    keys = prompt_keys(4, "evicted-record")
+    assert llama.batch_set_v1(keys, page_indices(host, 0, 4)) == [True] * 4
+    assert llama_twin.batch_exists(keys) == 4
+    assert llama.store.delete(f"__maru_ns__/{llama._ns_base}")  # as an eviction would
+    time.sleep(0.06)  # past the 50 ms namespace cache
+    assert llama_twin.batch_exists(keys) == 4
+    assert llama.batch_exists(keys) == 4
+    assert llama.batch_get_v1(keys, page_indices(host, 4, 4)) == [True] * 4
+
+
 def test_close_detaches_from_the_pool(make_instance, pool_path):
     _, backend = make_instance(pages=2)
     with Store.open(pool_path) as observer:
