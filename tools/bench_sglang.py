@@ -66,10 +66,17 @@ class _Limit:
     each piece. No index, no locks, no validation: just the bytes.
     """
 
-    def __init__(self, host, nbytes: int):
+    def __init__(self, host, nbytes: int, span: int | None = None):
+        """`nbytes`: one batch. `span` (default: two batches): the mapping. With a span as large as the
+        pool, each store goes to the next batch-sized region (wrapping), as the pool's writes go to
+        fresh blocks, so the destination is not still in the CPU caches from the round before."""
         import ctypes
         import torch
         self.host = host
+        self.batch = nbytes
+        nbytes = span or 2 * nbytes
+        self.cursor = 0
+        self.rotate = span is not None
         self.fd, self.path = tempfile.mkstemp(dir="/dev/shm", prefix="maru-bench-limit-")
         os.ftruncate(self.fd, nbytes)
         self.mm = mmap.mmap(self.fd, nbytes)
@@ -83,15 +90,21 @@ class _Limit:
         self.host_base = host.kv_buffer.data_ptr()
         self.memmove = ctypes.memmove
 
+    def _advance(self):
+        """Before a store: move to the next region when rotating (loads then read what it wrote)."""
+        if self.rotate:
+            self.cursor = (self.cursor + self.batch) % (len(self.mm) - len(self.mm) % self.batch)
+
     def _views(self, indices):
         ptrs, sizes = self.host.get_page_buffer_meta(indices)
-        out, o = [], 0
+        out, o = [], self.cursor
         for p, n in zip(ptrs, sizes):
             out.append((self.host_flat[p - self.host_base:p - self.host_base + n], self.buf[o:o + n], p, o, n))
             o += n
         return out
 
     def store_torch(self, indices):
+        self._advance()
         for h, d, _, _, _ in self._views(indices):
             d.copy_(h)
 
@@ -100,15 +113,16 @@ class _Limit:
             h.copy_(d)
 
     def store_memmove(self, indices):
+        self._advance()
         ptrs, sizes = self.host.get_page_buffer_meta(indices)
-        o = self.base
+        o = self.base + self.cursor
         for p, n in zip(ptrs, sizes):
             self.memmove(o, p, n)
             o += n
 
     def load_memmove(self, indices):
         ptrs, sizes = self.host.get_page_buffer_meta(indices)
-        o = self.base
+        o = self.base + self.cursor
         for p, n in zip(ptrs, sizes):
             self.memmove(p, o, n)
             o += n
@@ -141,9 +155,12 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
     hfile.register_mem_pool_host(host)
-    limit = _Limit(host, 2 * BATCH * page_bytes)
+    limit = _Limit(host, BATCH * page_bytes)
+    # the same copies with the destination rotating over a pool-sized mapping, as ours (fresh blocks)
+    # (a span of 256 MiB or four batches is far beyond any CPU cache, and bounds the memory it takes)
+    cold = _Limit(host, BATCH * page_bytes, span=min(pool_bytes, max(4 * BATCH * page_bytes, 256 << 20)))
     t = {k: [] for k in ("set", "get", "limit_set", "limit_get", "torch_set", "torch_get", "memmove_set",
-                         "memmove_get", "file_set", "file_get")}
+                         "memmove_get", "cold_limit_set", "cold_limit_get", "file_set", "file_get")}
     try:
         for rep in range(repeat + 1):  # first round warms up, not counted
             keys = _page_keys(f"{page_size}-{rep}", BATCH)
@@ -164,6 +181,12 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
                 getattr(limit, f"load_{way}")(dst)
                 rows.append((f"{way}_get", time.perf_counter() - t0))
             t0 = time.perf_counter()
+            cold.store_memmove(src)
+            rows.append(("cold_limit_set", time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            cold.load_memmove(dst)
+            rows.append(("cold_limit_get", time.perf_counter() - t0))
+            t0 = time.perf_counter()
             data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
             assert hfile.batch_set(keys, data)
             rows.append(("file_set", time.perf_counter() - t0))
@@ -180,6 +203,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
                     t[f"limit_{op}"].append(min(t[f"torch_{op}"][-1], t[f"memmove_{op}"][-1]))
     finally:
         limit.close()
+        cold.close()
         maru.close()
         shutil.rmtree(file_dir, ignore_errors=True)
         if os.path.exists(pool):
@@ -192,6 +216,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
                      "spread_gbps": [nbytes / hi / 1e9, nbytes / lo / 1e9]}
     for op in ("set", "get"):
         out[f"{op}_vs_limit"] = out[f"limit_{op}"]["seconds"] / out[op]["seconds"]
+        out[f"{op}_vs_cold_limit"] = out[f"cold_limit_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_file"] = out[f"file_{op}"]["seconds"] / out[op]["seconds"]
     return out
 
