@@ -18,6 +18,7 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .allocator import Allocator
+from .allocator.slabs import SMALL_BATCH
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
@@ -29,9 +30,7 @@ from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
-# Batches up to this size take the scalar commit and index paths: a numpy call costs a few
-# microseconds whatever its length, which only pays off over many keys.
-SMALL_BATCH = 8
+
 Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, in order
 
 
@@ -124,9 +123,7 @@ class Store:
             try:
                 self._detach()
             finally:
-                self.alloc.release_views()
-                self.index.release_views()
-                del self._anchor
+                self._release_exports()
             raise
 
     def __enter__(self) -> "Store":
@@ -155,10 +152,14 @@ class Store:
         try:
             self._detach()
         finally:
-            self.alloc.release_views()
-            self.index.release_views()
-            del self._anchor
+            self._release_exports()
             self._pf.close()
+
+    def _release_exports(self) -> None:
+        """Drop every view of the mapping (numpy arrays, the ctypes anchor): mmap.close() refuses while any lives."""
+        self.alloc.release_views()
+        self.index.release_views()
+        del self._anchor
 
     def _check_open(self) -> None:
         if self._closed:

@@ -79,6 +79,18 @@ def check_value(key, data) -> bool:
 PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")
 
 
+def write_note(errdir: str, tag: str, text: str) -> None:
+    """A worker process reports a failure (wrong read, traceback) as a file the test reads afterwards."""
+    with open(os.path.join(errdir, f"{tag}-{os.getpid()}-{time.monotonic_ns()}.txt"), "w") as f:
+        f.write(text)
+
+
+def read_notes(errdir: str, limit: int = 3) -> str:
+    """The first `limit` notes left by worker processes, for an assertion message."""
+    names = sorted(os.listdir(errdir))[:limit]
+    return "\n".join(open(os.path.join(errdir, n)).read() for n in names)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, put one instance of each per-worker test at the head of every worker's first batch.

@@ -33,6 +33,11 @@ MOVE_RATIO = 0.5
 MOVE_ABS = 0.05
 
 
+# Batches up to this many blocks take scalar paths (reserve here; commit, index, disown in the Store):
+# a numpy call costs a few microseconds whatever its length, which only pays off over many keys.
+SMALL_BATCH = 8
+
+
 class ClassInfo:
     __slots__ = ("cid", "kind", "k", "block", "bps")
 
@@ -285,7 +290,7 @@ class Allocator:
         """
         cid = info.cid
         m = len(items)
-        small = m <= 8  # a few blocks: scalar bitmap and meta writes (numpy's fixed cost would dominate)
+        small = m <= SMALL_BATCH  # scalar bitmap and meta writes
         if not small:
             dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
             lens = np.fromiter((n for _, n in items), dtype=np.uint64, count=m)

@@ -72,23 +72,6 @@ class Index:
             pos = (pos + 1) & mask
         return None
 
-    def find_many(self, halves: np.ndarray):
-        """Vectorised lock-free lookup of many digests, given as an (n, 2) array of little-endian u64 halves.
-
-        Returns (words, offsets) arrays; word 0 means not found. Keys sitting in
-        their home slot (most of them below 7/8 load) are resolved in one numpy
-        gather; the rest fall back to the bounded scalar probe.
-        """
-        e = self.table[self.home_slots(halves[:, 0], halves[:, 1])]
-        hit = (e[:, 0:2] == halves).all(axis=1) & (e[:, 2] != 0)
-        words = np.where(hit, e[:, 2], 0)
-        offsets = np.where(hit, e[:, 3], 0)
-        for i in np.flatnonzero(~hit & (e[:, 2] != 0)).tolist():  # displaced: probe on
-            found = self.find(halves[i].tobytes())
-            if found is not None:
-                words[i], offsets[i] = found
-        return words, offsets
-
     # -- under the shard lock ----------------------------------------------------
     def count(self, shard: int) -> int:
         return SHARD_STRUCT.unpack_from(self.mm, self.off_hdr + shard * SHARD_HEADER)[0]

@@ -262,16 +262,6 @@ def test_foreign_owner_refused_unless_allowed(closed_pool):
         assert s.get("k") == b"v" * 100
 
 
-def test_default_mode_is_0600(pool_path):
-    old = os.umask(0o022)
-    try:
-        with Store.open(pool_path, "4M", create=True):
-            pass
-    finally:
-        os.umask(old)
-    assert stat.S_IMODE(os.stat(pool_path).st_mode) == 0o600
-
-
 def test_group_mode_honoured_despite_umask(pool_path):
     old = os.umask(0o027)  # would narrow 0o660 to 0o640
     try:

@@ -33,7 +33,7 @@ import pytest
 from maru_shm import Store
 from maru_shm.index import key_digest
 
-from ..conftest import HEADER_SIZE, assert_clean, check_value, make_value
+from ..conftest import HEADER_SIZE, assert_clean, check_value, make_value, read_notes as _notes, write_note as _note
 
 # ---------------------------------------------------------------- a results board shared across fork
 
@@ -57,16 +57,6 @@ class Board:
 
     def total(self, field: int) -> int:
         return int(self.a[1:, field].sum())
-
-
-def _note(errdir: str, tag: str, text: str) -> None:
-    with open(os.path.join(errdir, f"{tag}-{os.getpid()}-{time.monotonic_ns()}.txt"), "w") as f:
-        f.write(text)
-
-
-def _notes(errdir: str, limit: int = 3) -> str:
-    names = sorted(os.listdir(errdir))[:limit]
-    return "\n".join(open(os.path.join(errdir, n)).read() for n in names)
 
 
 # ---------------------------------------------------------------- the mixed workload

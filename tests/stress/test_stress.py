@@ -35,7 +35,7 @@ import pytest
 from maru_shm import Store
 from maru_shm.index import key_digest
 
-from ..conftest import HEADER_SIZE, assert_clean, make_value, value_version
+from ..conftest import HEADER_SIZE, assert_clean, make_value, read_notes as _notes, value_version, write_note as _note
 
 STRESS_CALLS = int(os.environ.get("MARU_STRESS_CALLS", "100000"))
 STRESS_POOL = os.environ.get("MARU_STRESS_POOL", "24M")
@@ -66,16 +66,6 @@ class Tally:
 
     def total(self, field: int) -> int:
         return int(self.a[:, field].sum())
-
-
-def _note(errdir: str, tag: str, text: str) -> None:
-    with open(os.path.join(errdir, f"{tag}-{os.getpid()}-{time.monotonic_ns()}.txt"), "w") as f:
-        f.write(text)
-
-
-def _notes(errdir: str, limit: int = 3) -> str:
-    names = sorted(os.listdir(errdir))[:limit]
-    return "\n".join(open(os.path.join(errdir, n)).read() for n in names)
 
 
 def _verify(row, errdir, writers, key, data, where) -> None:
