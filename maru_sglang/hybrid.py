@@ -46,6 +46,7 @@ import time
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer,
@@ -55,6 +56,7 @@ from maru_shm import format_size
 from maru_shm.index import prefixed_digests
 
 from .namespace import kv_format_fingerprint, namespace_for
+from .pages import page_pieces, store_pages
 
 logger = logging.getLogger("maru_sglang")
 
@@ -198,17 +200,9 @@ def _leading(st, digests, page_bytes: int) -> int:
     return st.store.leading_hits(length=page_bytes, digests=digests) if len(digests) else 0
 
 
-def _pieces(spec: PoolSpec, host_indices, n: int):
-    meta = spec.host_pool.get_page_buffer_meta(host_indices)
-    if meta is None:
-        raise ValueError(f"pool {spec.name!r} returned no page pieces")
-    ptrs, sizes = meta
-    per = spec.pieces_per_page
-    if len(ptrs) != per * n or len(sizes) != len(ptrs):
-        raise ValueError(f"pool {spec.name!r} described {len(ptrs)} pieces for {n} pages (expected {per} per page)")
-    if sum(int(s) for s in sizes) != n * spec.page_bytes:
-        raise ValueError(f"pool {spec.name!r} described {sum(sizes)} bytes for {n} pages of {spec.page_bytes}")
-    return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+def _pieces(spec: PoolSpec, host_indices, n: int) -> np.ndarray:
+    return page_pieces(spec.host_pool, host_indices, n, spec.pieces_per_page, spec.page_bytes,
+                       name=f"pool {spec.name!r}")
 
 
 # --------------------------------------------------------------------------- lookups
@@ -341,15 +335,8 @@ def _set_pool(st, spec: PoolSpec, keys, host_indices) -> List[bool]:
         return [True] * n  # MLA: pages shared by the TP ranks are written by the storage writer rank
     t0 = time.perf_counter()
     pieces = _pieces(spec, host_indices, n)
-    digests = pool_digests(st, spec, keys)
-    have = _present(st, digests, spec.page_bytes)
-    todo = [i for i in range(n) if not have[i]]
-    res = [True] * n
-    if todo:
-        put = st.store.batch_put_pieces([keys[i] for i in todo], [pieces[i] for i in todo], digests=digests[todo])
-        for i, ok in zip(todo, put):
-            res[i] = ok
-    _account(st, spec, res, t0, read=False, written=sum(res[i] for i in todo))
+    res, written = store_pages(st.store, keys, pool_digests(st, spec, keys), pieces, spec.page_bytes)
+    _account(st, spec, res, t0, read=False, written=written)
     return res
 
 

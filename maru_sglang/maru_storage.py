@@ -38,6 +38,7 @@ from maru_shm.index import prefixed_digests
 
 from .config import MaruConfig
 from .namespace import kv_format_fingerprint, namespace_for
+from .pages import page_pieces, store_pages
 
 logger = logging.getLogger("maru_sglang")
 
@@ -185,17 +186,8 @@ class MaruStorage(HiCacheStorage):
         logger.error("maru: %s failed: %s: %s (further identical failures are not logged)",
                      what, type(exc).__name__, exc)
 
-    def _pieces(self, host_indices, n: int):
-        if self.pieces_per_page == 0:  # logical KV anchor: every KV page is an empty value
-            return [[] for _ in range(n)]
-        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        per = len(ptrs) // n if n else 0
-        if per * n != len(ptrs) or per != self.pieces_per_page:
-            raise ValueError(f"host pool described {len(ptrs)} pieces for {n} pages "
-                             f"(expected {self.pieces_per_page} per page)")
-        # (n, per, 2) [address, nbytes] rows in one numpy pass; tolist() builds the nested lists in C
-        return np.stack([np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64)],
-                        axis=1).reshape(n, per, 2).tolist()
+    def _pieces(self, host_indices, n: int) -> np.ndarray:
+        return page_pieces(self.mem_pool_host, host_indices, n, self.pieces_per_page, name="host pool")
 
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -238,18 +230,8 @@ class MaruStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            digests = self._digests(keys)
-            # skip pages already stored with exactly one page of bytes; anything else under the key is replaced
-            found = self.store.resolve(digests, full=False)
-            present = (found.ok & (found.lengths == self.page_bytes)).tolist()
-            todo = [i for i in range(len(keys)) if not present[i]]
-            res = [True] * len(keys)
-            if todo:
-                put = self.store.batch_put_pieces([keys[i] for i in todo], [pieces[i] for i in todo],
-                                                  digests=digests[todo])
-                for i, ok in zip(todo, put):
-                    res[i] = ok
-            self._account(res, t0, read=False, written=sum(res[i] for i in todo))
+            res, written = store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes)
+            self._account(res, t0, read=False, written=written)
             return res
         except Exception as e:
             self._log_once("batch_set_v1", e)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .allocator.classes import planned_geometric
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_NSLABS, CLS_PARTIAL,
-                     CLS_USED, FREE, KIND_EXACT, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
+                     CLS_USED, FREE, FREE_FLOOR_OFF, KIND_EXACT, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_POOL,
                      META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL,
                      SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, next_word, store_u64)
 from .locks import lock_name
@@ -240,6 +240,11 @@ def _check(store, report: CheckReport, progress) -> None:
     for u in np.flatnonzero((alloc.states != UNIT_FREE) & (alloc.states != UNIT_HEAD)
                             & (alloc.states != UNIT_TAIL)).tolist():
         report.problem(f"unit {u}: invalid state {int(alloc.states[u])}")
+    floor = U32.unpack_from(mm, FREE_FLOOR_OFF)[0]
+    hidden = np.flatnonzero(alloc.states[:min(floor, g.n_units)] == UNIT_FREE)
+    if hidden.size:
+        report.problem(f"free_floor {floor} is above free unit {int(hidden[0])}: the search for free units "
+                       "skips it (repair restarts the floor at 0)")
 
     # slabs and blocks
     starts = _block_starts(store)

@@ -25,6 +25,7 @@ CLASSES_VERSION_OFF = 264
 RETIRED_OFF = 272
 DEMAND_EPOCH_OFF = 400  # u32: demand epoch (hint, no lock): class demand counters halve once per epoch
 DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no lock)
+FREE_FLOOR_OFF = 416    # u32: no unit below it is FREE (hint, POOL lock): where the search for free units starts
 STATE_READY = 2
 
 FLAG_DEVICE = 1

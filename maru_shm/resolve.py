@@ -27,6 +27,7 @@ class Resolved:
         self.ok, self.offsets, self.words, self.lengths = ok, offsets, words, lengths
 
 
+
 def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     """Look up and validate every digest of an (n, 16) uint8 array, without locks.
 
@@ -39,13 +40,37 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     is the incarnation that entry published (every reuse of a block bumps its
     word), so a meta digest equal to the key's proves the entry is the key's.
     Keys that fail at their home slot but found it occupied (displaced by
-    probing, or caught mid-update) are finished by the scalar path.
+    probing, absent behind a collision, or caught mid-update) probe on
+    together (`probe_rows`, PROBE_WINDOW slots); the few still undecided after
+    that, or found but failing the checks, are finished by the scalar path.
     """
-    g = store.geo
-    idx = store.index
     halves = np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1, 16).view("<u8")
     h0, h1 = halves[:, 0], halves[:, 1]
-    e = idx.table[idx.home_slots(h0, h1)]
+    idx = store.index
+    offs, words, lengths, ok = _validate(store, idx.table[idx.home_slots(h0, h1)], h0, h1)
+    if not ok.all():
+        again = np.flatnonzero(~ok & (words != 0))
+        if again.size:
+            rows = probe_rows(idx, h0[again], h1[again], PROBE_WINDOW, first_step=1)
+            at = np.flatnonzero(rows >= 0)
+            if at.size:
+                sel = again[at]
+                o2, w2, l2, ok2 = _validate(store, idx.table[rows[at]], h0[sel], h1[sel])
+                offs[sel], words[sel], lengths[sel], ok[sel] = o2, w2, l2, ok2
+            scalar = again[rows != ABSENT]
+            for i in scalar[~ok[scalar]].tolist():
+                found = store._lookup(halves[i].tobytes())  # same checks, after a bounded probe
+                if found is not None:
+                    offs[i], words[i], lengths[i] = found[0], found[1], found[2]
+                    ok[i] = True
+    if full:
+        ok &= _block_starts_ok(store, offs, lengths)
+    return Resolved(ok, offs, words, lengths)
+
+
+def _validate(store, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
+    """(offsets, words, lengths, ok) of index entries `e` (rows of 4 u64) checked against their block metas."""
+    g = store.geo
     words = e[:, 2]
     inside = e[:, 3] < np.uint64(g.data_bytes)
     offs = (e[:, 3] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
@@ -53,15 +78,35 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     lengths = (m[:, 3] & np.uint64(0xFFFFFFFF)).astype(np.intp)
     ok = (((m[:, 0] ^ words) | (m[:, 1] ^ h0) | (m[:, 2] ^ h1)) == 0) & inside \
         & ((words & np.uint64(3)) == LIVE) & (offs + lengths <= g.data_bytes)
-    if not ok.all():
-        for i in np.flatnonzero(~ok & (words != 0)).tolist():
-            found = store._lookup(halves[i].tobytes())  # same checks, after a bounded probe
-            if found is not None:
-                offs[i], words[i], lengths[i] = found[0], found[1], found[2]
-                ok[i] = True
-    if full:
-        ok &= _block_starts_ok(store, offs, lengths)
-    return Resolved(ok, offs, words, lengths)
+    return offs, words, lengths, ok
+
+
+PROBE_WINDOW = 16  # slots after the home slot probed together; keys still undecided take the scalar probe
+
+
+ABSENT, UNDECIDED = -1, -2
+
+
+def probe_rows(index, h0: np.ndarray, h1: np.ndarray, window: int, first_step: int = 0) -> np.ndarray:
+    """Row of `index.table` holding each digest's entry; ABSENT if the probe met an empty slot first,
+    UNDECIDED if neither happened within `window` slots (linear probing, as Index.find, batched),
+    starting `first_step` slots after the home slot.
+
+    All `window` slots of every key are gathered at once (one numpy pass, not one per step): the
+    first slot that is empty or holds the key decides. An entry whose word is 0 counts as empty, as
+    in the scalar probe: a writer stores the digest before the word, so it is not published yet.
+    """
+    n = len(h0)
+    mask = index.mask
+    base = (h0 & index.smask_u).astype(np.int64) * index.slots
+    steps = np.arange(first_step, first_step + window, dtype=np.int64)
+    r = base[:, None] + (((h1 & index.mask_u).astype(np.int64)[:, None] + steps) & mask)  # (n, window)
+    e = index.table[r]
+    empty = e[:, :, 2] == 0
+    hit = ~empty & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
+    first = (empty | hit).argmax(axis=1)
+    at = np.arange(n)
+    return np.where(hit[at, first], r[at, first], np.where(empty[at, first], ABSENT, UNDECIDED))
 
 
 def _shift(granule: int) -> int:
@@ -84,4 +129,4 @@ def _block_starts_ok(store, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray
         & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < bps[cid]) & (lengths <= blk)
 
 
-__all__ = ["resolve", "Resolved", "SLAB_ENTRY"]
+__all__ = ["resolve", "probe_rows", "Resolved", "ABSENT", "UNDECIDED", "SLAB_ENTRY"]

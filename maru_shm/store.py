@@ -24,6 +24,7 @@ from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_CO
                      PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
                      store_u64)
 from .index import Index, digest_array, key_digest
+from .pieces import Pieces, PieceTable, piece_lengths
 from .resolve import resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
 from .poolfile import PoolFile, open_pool_file
@@ -31,7 +32,6 @@ from .sizes import parse_size
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
-Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, in order
 
 
 def _start_ticks(pid: int) -> int:
@@ -52,6 +52,12 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
     if not arr.flags.c_contiguous:
         raise TypeError("buffer must be contiguous")
     return arr.ctypes.data, arr.nbytes, arr
+
+
+def _check_fits(info, length: int) -> None:
+    """Never copy past a block: it would overwrite its neighbours."""
+    if length > info.block:
+        raise StoreError(f"internal error: class {info.cid} ({info.block}-byte blocks) chosen for a {length}-byte value")
 
 
 class Store:
@@ -427,20 +433,35 @@ class Store:
     def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces], *, digests=None) -> list[bool]:
         """Load many values into destination pieces; per key True only if the stored length matches exactly.
 
-        `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
+        `pieces_list` is one list of (address, nbytes) per key, or an (n, k, 2) array
+        (see maru_shm.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
+        replaces hashing `keys`.
         """
         self._check_open()
-        res = resolve(self, self._digest_batch(keys, digests))
+        darr = self._digest_batch(keys, digests)
+        n = len(darr)
+        if len(pieces_list) != n:
+            raise ValueError(f"{len(pieces_list)} destinations for {n} keys")
+        res = resolve(self, darr)
+        if n <= SMALL_BATCH:
+            out = self._get_scalar(res, pieces_list.tolist() if isinstance(pieces_list, np.ndarray) else pieces_list)
+        else:
+            out = self._get_vector(res, PieceTable.of(pieces_list, n))
+        hits = sum(out)
+        self.count(hits=hits, misses=n - hits, bytes_read=int(res.lengths[np.flatnonzero(out)].sum()) if hits else 0)
+        self.flush_counters()
+        return out
+
+    def _get_scalar(self, res, pieces_list) -> list[bool]:
+        """Copy out a few values key by key (no numpy call per key: cheaper below SMALL_BATCH keys)."""
         oks, offs, words, lens = res.ok.tolist(), res.offsets.tolist(), res.words.tolist(), res.lengths.tolist()
         out = []
-        hits = nbytes = 0
         mm, data, memmove = self.mm, self._data, ctypes.memmove
         meta, gran, slabs, unit = self.geo.off_blockmeta, self.geo.granule, self.geo.off_slabs, self.geo.unit_size
         for i, pieces in enumerate(pieces_list):
             ok = oks[i]
             if ok:
-                length = lens[i]
-                if sum([n for _, n in pieces]) != length:
+                if piece_lengths([pieces])[0] != lens[i]:
                     ok = False
                 else:
                     off = offs[i]
@@ -453,12 +474,26 @@ class Store:
                     if ok:
                         mm[m + 30] = 1
                         mm[slabs + (off // unit) * 64 + 24] = 1
-                        hits += 1
-                        nbytes += length
             out.append(ok)
-        self.count(hits=hits, misses=len(out) - hits, bytes_read=nbytes)
-        self.flush_counters()
         return out
+
+    def _get_vector(self, res, table: PieceTable) -> list[bool]:
+        """Copy out a batch: one flat loop over every piece of the values found with the right length, then
+        one pass re-reading their block words (a word changed since the lookup means the block was reused
+        during the copy: that key's bytes may be torn, and it reports False) and marking the rest used."""
+        ok = res.ok & (res.lengths == table.lengths)
+        rows = np.flatnonzero(ok)
+        if rows.size:
+            offs = res.offsets[rows]
+            memmove = ctypes.memmove
+            for dst, src, nb in zip(*table.gather(rows, self._data + offs)):
+                memmove(dst, src, nb)
+            gidx = offs >> (self.geo.granule.bit_length() - 1)
+            still = self.alloc.meta_words[gidx] == res.words[rows]
+            ok[rows] = still
+            self.alloc.meta_refs[gidx[still]] = 1
+            self.alloc.unit_refs[offs[still] // self.geo.unit_size] = 1
+        return ok.tolist()
 
     def resolve(self, digests, full: bool = True):
         """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).
@@ -614,38 +649,47 @@ class Store:
         disown of all published blocks.
         """
         armed = _cp.ARMED  # crash-point hooks below cost one local test when unset
-        n = len(pieces_list)
-        res = [False] * n
         darr = self._digest_batch(keys, digests)
-        flat = darr.tobytes()
-        digests = [flat[i:i + 16] for i in range(0, 16 * n, 16)]
-        lengths = [sum([p[1] for p in pieces]) for pieces in pieces_list]
+        n = len(darr)
+        if len(pieces_list) != n:
+            raise ValueError(f"{len(pieces_list)} values for {n} keys")
+        small = n <= SMALL_BATCH
+        if small and isinstance(pieces_list, np.ndarray):
+            pieces_list = pieces_list.tolist()  # the scalar path copies from Python ints
+        table = None if small else PieceTable.of(pieces_list, n)
+        lengths = piece_lengths(pieces_list) if small else table.lengths.tolist()
+        halves = darr.view("<u8")
+        res = [False] * n
         present = resolve(self, darr, full=False).ok.tolist() if skip_existing else None
         groups: dict[int, tuple] = {}
-        class_of: dict[int, object] = {}  # one class lookup per distinct length
         max_value = self.geo.max_value
-        for i in range(n):
-            if present is not None and present[i]:
-                res[i] = True
-                continue
-            length = lengths[i]
-            info = class_of.get(length, False)
-            if info is False:
-                info = class_of[length] = self.alloc.class_for(length) if length <= max_value else None
-            if info is None:
-                continue
-            if length > info.block:  # never copy past the block: it would overwrite its neighbours
-                raise StoreError(f"internal error: class {info.cid} ({info.block}-byte blocks) chosen for "
-                                 f"a {length}-byte value")
-            groups.setdefault(info.cid, (info, []))[1].append(i)
+        if not small and present is None and min(lengths) == max(lengths):  # a batch of pages: one class
+            info = self.alloc.class_for(lengths[0]) if lengths[0] <= max_value else None
+            if info is not None:
+                _check_fits(info, lengths[0])
+                groups[info.cid] = (info, list(range(n)))
+        else:
+            class_of: dict[int, object] = {}  # one class lookup per distinct length
+            for i in range(n):
+                if present is not None and present[i]:
+                    res[i] = True
+                    continue
+                length = lengths[i]
+                info = class_of.get(length, False)
+                if info is False:
+                    info = class_of[length] = self.alloc.class_for(length) if length <= max_value else None
+                if info is not None:
+                    _check_fits(info, length)
+                    groups.setdefault(info.cid, (info, []))[1].append(i)
         owner = self.slot + 1
+        lens_u = np.asarray(lengths, dtype=np.uint64)
         placed_i: list[int] = []
         placed_off: list[int] = []
         for info, idxs in groups.values():
-            offs = self.alloc.allocate(info, [(digests[i], lengths[i]) for i in idxs], owner)
+            offs = self.alloc.allocate(info, halves[idxs], lens_u[idxs], owner)
             if len(offs) < len(idxs) and self.reap_dead(under_pressure=True):
                 rest = idxs[len(offs):]
-                offs += self.alloc.allocate(info, [(digests[i], lengths[i]) for i in rest], owner)
+                offs += self.alloc.allocate(info, halves[rest], lens_u[rest], owner)
             placed_i += idxs[:len(offs)]
             placed_off += offs
             if armed is not None:
@@ -655,26 +699,37 @@ class Store:
         evicted = evicted_bytes = 0
         if placed_off:
             words = self.alloc.meta_words
-            small = len(placed_off) <= SMALL_BATCH
             data_bytes, gran, mm = self.geo.data_bytes, self.geo.granule, self.mm
-            if min(placed_off) < 0 or max(off + lengths[i] for i, off in zip(placed_i, placed_off)) > data_bytes:
-                raise StoreError("internal error: block outside the data area")
+            data, memmove = self._data, ctypes.memmove
             if small:
+                if min(placed_off) < 0 or max(off + lengths[i] for i, off in zip(placed_i, placed_off)) > data_bytes:
+                    raise StoreError("internal error: block outside the data area")
                 gidx = [off // gran for off in placed_off]
                 reserved = [U64.unpack_from(mm, self.alloc.off_meta + gi * 32)[0] for gi in gidx]
                 mine.update(zip(placed_off, reserved))
+                # copy, without locks
+                for i, off in zip(placed_i, placed_off):
+                    dst = data + off
+                    for addr, nb in pieces_list[i]:
+                        memmove(dst, addr, nb)
+                        dst += nb
+                        if armed is not None:
+                            _cp.hit("put.mid_copy")
             else:
-                gidx = np.array(placed_off, dtype=np.int64) // gran
+                offs_a = np.array(placed_off, dtype=np.int64)
+                if offs_a.min() < 0 or int((offs_a + table.lengths[placed_i]).max()) > data_bytes:
+                    raise StoreError("internal error: block outside the data area")
+                gidx = offs_a // gran
                 reserved = words[gidx]
                 mine.update(zip(placed_off, reserved.tolist()))
-            # copy, without locks
-            data, memmove = self._data, ctypes.memmove
-            for i, off in zip(placed_i, placed_off):
-                dst = data + off
-                for addr, nb in pieces_list[i]:
-                    memmove(dst, addr, nb)
-                    dst += nb
-                    if armed is not None:
+                # copy, without locks: one flat loop over every piece, as a plain copy would do
+                dsts, srcs, nbs = table.scatter(placed_i, data + offs_a)
+                if armed is None:
+                    for dst, addr, nb in zip(dsts, srcs, nbs):
+                        memmove(dst, addr, nb)
+                else:
+                    for dst, addr, nb in zip(dsts, srcs, nbs):
+                        memmove(dst, addr, nb)
                         _cp.hit("put.mid_copy")
             # commit every copied block: RESERVED -> LIVE with the next sequence, one 8-byte store each
             if small:
@@ -690,21 +745,22 @@ class Store:
             if armed is not None:
                 _cp.hit("put.before_index")
             published, to_free, evicted, evicted_bytes = self._publish(
-                darr, digests, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res)
-        for k, off in enumerate(placed_off):
-            if not published[k]:
-                to_free.append((off, lives[k]))  # still owned by us until freed: a crash here is reaped
+                darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res)
+        if not all(published):
+            to_free += [(off, w) for off, w, p in zip(placed_off, lives, published) if not p]
+            # still owned by us until freed: a crash here is reaped
         if armed is not None:
             _cp.hit("put.before_free")
         if to_free:
             self.alloc.free_blocks(to_free)
         ok = sum(res)
+        written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
         self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
-                   bytes_written=sum(lengths[i] for k, i in enumerate(placed_i) if published[k]))
+                   bytes_written=written)
         self.flush_counters()
         return res
 
-    def _publish(self, darr, digests, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res):
+    def _publish(self, darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res):
         """Index every committed block of a batch under all its shard locks at once (ascending, see locks.py).
 
         Returns (published flags, blocks to free, evictions, evicted bytes).
@@ -712,7 +768,7 @@ class Store:
         mm, index, data_end = self.mm, self.index, self.geo.data_bytes
         small = len(placed_i) <= SMALL_BATCH
         if small:
-            shards = [index.shard_of(digests[i]) for i in placed_i]
+            shards = [index.shard_of(darr[i].tobytes()) for i in placed_i]
             order = sorted(range(len(placed_i)), key=shards.__getitem__)
         else:
             shard_arr = (darr.view("<u8")[:, 0] & np.uint64(index.smask))[placed_i]
@@ -731,18 +787,19 @@ class Store:
             else:
                 still = self.alloc.meta_words[gidx] == live
                 cand = np.flatnonzero(still)
-                for k in cand.tolist():
-                    del mine[placed_off[k]]
+                if len(cand) == len(mine):  # mine holds exactly this batch's blocks: all of them
+                    mine.clear()
+                else:
+                    for k in cand.tolist():
+                        del mine[placed_off[k]]
                 fast = index.insert_absent(shard_arr[cand], darr.view("<u8")[placed_i][cand], live[cand],
                                            np.array(placed_off, dtype=np.uint64)[cand])
                 for k in cand[fast].tolist():
                     res[placed_i[k]] = published[k] = True
                 slow = set(cand[~fast].tolist())
-            for k in order:
-                if k not in slow:
-                    continue
+            for k in ([k for k in order if k in slow] if slow else ()):
                 i, off, s = placed_i[k], placed_off[k], shards[k]
-                d = digests[i]
+                d = darr[i].tobytes()
                 if skip_existing:
                     cur = index.find(d)
                     if cur is not None and self._entry_valid(d, cur[0], cur[1]):

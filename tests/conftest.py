@@ -79,6 +79,15 @@ def check_value(key, data) -> bool:
 PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")
 
 
+def reserve(store, info, keys, length: int) -> list[int]:
+    """Reserve one block of class `info` per key for a value of `length` bytes, owned by `store` (never
+    committed): what a writer holds between allocating and publishing."""
+    import numpy as np
+    from maru_shm.index import digest_array, key_digest
+    halves = digest_array([key_digest(k) for k in keys]).view("<u8")
+    return store.alloc.allocate(info, halves, np.full(len(keys), length, dtype=np.uint64), store.slot + 1)
+
+
 def write_note(errdir: str, tag: str, text: str) -> None:
     """A worker process reports a failure (wrong read, traceback) as a file the test reads afterwards."""
     with open(os.path.join(errdir, f"{tag}-{os.getpid()}-{time.monotonic_ns()}.txt"), "w") as f:

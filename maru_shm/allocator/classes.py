@@ -34,7 +34,11 @@ def geometric_sizes(granule: int, max_value: int) -> list[int]:
         i += 1
 
 
-EXACT_MIN_SLAB = 2 << 20
+# Exact-fit slabs (KV pages) are at least this large, or 1/64 of the data area in a smaller pool:
+# a batch of 128 pages then fills one or a few slabs instead of formatting one slab per few pages
+# (measured: per-slab bookkeeping was a quarter of a 128 KiB batch's overhead with 2 MiB slabs).
+EXACT_MIN_SLAB = 16 << 20
+EXACT_SLAB_SHARE = 64
 
 
 def slab_shape(block_size: int, unit_size: int, max_units: int = 64, min_bytes: int = 0) -> tuple[int, int]:
@@ -43,9 +47,12 @@ def slab_shape(block_size: int, unit_size: int, max_units: int = 64, min_bytes: 
     Blocks per slab are capped by the slab bitmap (256). When no k up to
     `max_units` gets under 1 %, the k with the least tail waste wins.
     `min_bytes` sets a floor on the slab size: exact-fit classes (KV pages)
-    use 2 MiB so a batch of pages formats few slabs; geometric classes use
-    the smallest slab, since each class in use keeps one slab half filled.
+    use `exact_slab_floor` so a batch of pages formats few slabs; geometric
+    classes use the smallest slab, since each class in use keeps one slab
+    half filled. The floor never asks for more blocks than a bitmap holds
+    (a slab of 256 blocks is large enough: more would only be waste).
     """
+    min_bytes = min(min_bytes, MAX_BLOCKS_PER_SLAB * block_size)
     min_units = max(1, -(-block_size // unit_size), -(-min_bytes // unit_size))
     best = None
     for k in range(min_units, max(min_units, max_units) + 1):
@@ -61,6 +68,12 @@ def slab_shape(block_size: int, unit_size: int, max_units: int = 64, min_bytes: 
             break
     assert best is not None
     return best[1], best[2]
+
+
+def exact_slab_floor(data_bytes: int) -> int:
+    """Minimum bytes of an exact-fit slab in a data area of `data_bytes`: EXACT_MIN_SLAB, or
+    1/EXACT_SLAB_SHARE of the area in a small pool (a slab move there must not take a quarter of it)."""
+    return min(EXACT_MIN_SLAB, data_bytes // EXACT_SLAB_SHARE)
 
 
 @functools.lru_cache(maxsize=16)

@@ -15,13 +15,13 @@ import numpy as np
 
 from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_DEMAND,
                       CLS_DEMAND_EPOCH, CLS_HAND, CLS_NSLABS, CLS_PARTIAL, CLS_USED, DEMAND_ACC_OFF,
-                      DEMAND_EPOCH_OFF, FREE, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
+                      DEMAND_EPOCH_OFF, FREE, FREE_FLOOR_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
                       LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
                       store_u64)
 from .. import crashpoints as _cp
-from .classes import EXACT_MIN_SLAB, planned_geometric, slab_shape
+from .classes import exact_slab_floor, planned_geometric, slab_shape
 
 # Demand counters (FORMAT.md section 4): every class's counter halves each time the pool has allocated
 # data_bytes / DEMAND_EPOCH_DIV bytes (an epoch).
@@ -71,6 +71,9 @@ class Allocator:
                                       strides=(META_SIZE,))
         self.meta_refs = np.ndarray((n_gran,), dtype=np.uint8, buffer=self.mm, offset=g.off_blockmeta + 30,
                                     strides=(META_SIZE,))
+        # slab ref bits, one per unit (a batch of reads marks its slabs recently used in one pass)
+        self.unit_refs = np.ndarray((g.n_units,), dtype=np.uint8, buffer=self.mm, offset=g.off_slabs + SLAB_REF,
+                                    strides=(SLAB_ENTRY,))
         # class table columns (slab moves compare every class's slab bytes and demand)
         cap, oc = g.class_cap, g.off_classes
         self.cls_k = np.ndarray((cap,), dtype="<u4", buffer=self.mm, offset=oc + 4, strides=(CLASS_ENTRY,))
@@ -90,7 +93,7 @@ class Allocator:
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
         self.states = self.clsfield = self.meta_q = self.meta_words = self.meta_owners = None
-        self.meta_refs = self.cls_k = self.cls_nslabs = self.cls_demand = self.cls_epoch = None
+        self.meta_refs = self.unit_refs = self.cls_k = self.cls_nslabs = self.cls_demand = self.cls_epoch = None
 
     # -- class table -----------------------------------------------------------
     def refresh_classes(self) -> None:
@@ -164,11 +167,10 @@ class Allocator:
             for cid in range(self.geo.n_geo_classes, self.geo.class_cap):
                 off = self.off_classes + cid * CLASS_ENTRY
                 if U32.unpack_from(self.mm, off)[0] == KIND_UNUSED:
-                    # The 2 MiB exact-slab floor only where it is at most a quarter of the pool, and never
-                    # more than a quarter of the units (a slab of more units than the pool has would make the
-                    # entry invalid: refresh_classes drops it, and declare_size raised KeyError).
-                    floor = EXACT_MIN_SLAB if 4 * EXACT_MIN_SLAB <= self.geo.data_bytes else 0
-                    k, bps = slab_shape(n, self.U, max_units=min(64, max(1, self.n_units // 4)), min_bytes=floor)
+                    # Never more than a quarter of the units: a slab of more units than the pool has would make
+                    # the entry invalid (refresh_classes drops it, and declare_size raised KeyError).
+                    k, bps = slab_shape(n, self.U, max_units=min(64, max(1, self.n_units // 4)),
+                                        min_bytes=exact_slab_floor(self.geo.data_bytes))
                     CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, bps, 0, 0, 0, time.time_ns())
                     U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
                     if _cp.ARMED is not None:
@@ -278,8 +280,11 @@ class Allocator:
         self._set32(o, max(0, self._get32(o) + delta))
 
     # -- allocation ---------------------------------------------------------------
-    def allocate(self, info: ClassInfo, items, owner: int) -> list[int]:
-        """Reserve one block per (digest, length) in `items`; return their data offsets.
+    def allocate(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
+        """Reserve one block per value; return their data offsets.
+
+        `digests` are the keys' digests as (m, 2) little-endian u64 halves, `lengths`
+        the values' lengths (m,).
 
         Fewer offsets than items means the pool could not make room (every
         candidate slab busy with writers). Each block is RESERVED with `owner`.
@@ -289,11 +294,8 @@ class Allocator:
         room for the rest could free the slab under it.
         """
         cid = info.cid
-        m = len(items)
+        m = len(lengths)
         small = m <= SMALL_BATCH  # scalar bitmap and meta writes
-        if not small:
-            dig = np.frombuffer(b"".join([d for d, _ in items]), dtype="<u8").reshape(-1, 2)
-            lens = np.fromiter((n for _, n in items), dtype=np.uint64, count=m)
         out: list[int] = []
         pending: list[int] = []
 
@@ -302,14 +304,13 @@ class Allocator:
                 k = len(out)
                 if small:
                     for j, off in enumerate(pending):
-                        d, length = items[k + j]
                         mo = self.meta_off(off)
                         (word,) = U64.unpack_from(self.mm, mo)
                         # FREE -> RESERVED in one write of bytes 0..30 (byte 31 untouched)
-                        self.mm[mo:mo + META_STRUCT.size] = META_STRUCT.pack(next_word(word, RESERVED), d, length,
-                                                                             owner, 0)
+                        self.mm[mo:mo + META_STRUCT.size] = META_STRUCT.pack(
+                            next_word(word, RESERVED), digests[k + j].tobytes(), int(lengths[k + j]), owner, 0)
                 else:
-                    self._reserve_many(pending, dig[k:k + len(pending)], lens[k:k + len(pending)], owner)
+                    self._reserve_many(pending, digests[k:k + len(pending)], lengths[k:k + len(pending)], owner)
                 out.extend(pending)
                 pending.clear()
 
@@ -345,7 +346,7 @@ class Allocator:
                     continue
                 nfree = self._get32(s + SLAB_NFREE)
                 want = m - len(out) - len(pending)
-                if small:
+                if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
                     bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
                     free_bits = ~bm & ((1 << info.bps) - 1)
                     got = 0
@@ -559,24 +560,55 @@ class Allocator:
         return runs[0] if runs else None
 
     def find_free_runs(self, k: int, count: int) -> list[int]:
-        """Starts of up to `count` non-overlapping runs of k FREE units, lowest first."""
-        if k > self.n_units or count <= 0:
+        """POOL held: starts of up to `count` non-overlapping runs of k FREE units, lowest first.
+
+        The search starts at the free floor (superblock `free_floor`: no unit below
+        it is FREE) and reads the slab table in windows, stopping once it has
+        enough runs: a full pool, which has no free unit, costs nothing to ask, and
+        a filling pool reads a window, not the whole table (one 64-byte entry per
+        unit). It then raises the floor to the first FREE unit it saw.
+        """
+        n = self.n_units
+        if k > n or count <= 0:
             return []
-        free = self.states == UNIT_FREE
-        if k == 1:
-            starts = np.flatnonzero(free).tolist()
-        else:
-            cs = np.concatenate(([0], np.cumsum(free, dtype=np.int64)))
-            starts = np.flatnonzero(cs[k:] - cs[:-k] == k).tolist()
+        lo = min(U32.unpack_from(self.mm, FREE_FLOOR_OFF)[0], n)
+        window = max(1024, 2 * k * count)
         out: list[int] = []
-        nxt = -1
-        for u in starts:
-            if u >= nxt and not self._reached_by_earlier_slab(u):
-                out.append(u)
-                nxt = u + k
+        first_free = None
+        nxt = lo  # no run may start before this (the end of the last run taken)
+        while lo < n and len(out) < count:
+            hi = min(n, lo + window)
+            free = self.states[lo:hi] == UNIT_FREE
+            bounds = np.flatnonzero(np.diff(free, prepend=False, append=False)) + lo  # segment starts, ends
+            if first_free is None and bounds.size:
+                first_free = int(bounds[0])
+            resume = hi
+            for s, e in zip(bounds[0::2].tolist(), bounds[1::2].tolist()):
+                # Maximal segments of FREE units [s, e), runs taken greedily from each start: the same runs
+                # as trying every start in turn, without a Python step per unit of a large free area.
+                u = max(s, nxt)
+                while u + k <= e:
+                    if self._reached_by_earlier_slab(u):
+                        u += 1  # inside a damaged extent: the next start may be clear of it
+                        continue
+                    out.append(u)
+                    if len(out) == count:
+                        break
+                    u += k
+                nxt = max(nxt, u)
                 if len(out) == count:
                     break
+                if e == hi < n:  # the segment may go on past the window: resume where its runs stopped
+                    resume = max(u, s)
+            lo = resume if resume > lo else hi  # always forward
+        U32.pack_into(self.mm, FREE_FLOOR_OFF, first_free if first_free is not None else lo)
         return out
+
+    def lower_free_floor(self, u: int) -> None:
+        """POOL held: unit u is about to become FREE; lower the floor first so the search reaches it (a crash
+        in between leaves the floor low: a longer search, never a unit it skips)."""
+        if u < U32.unpack_from(self.mm, FREE_FLOOR_OFF)[0]:
+            U32.pack_into(self.mm, FREE_FLOOR_OFF, max(0, u))
 
     def _reached_by_earlier_slab(self, u: int) -> bool:
         """Does a slab whose HEAD is before unit u extend to u or beyond?
@@ -770,6 +802,7 @@ class Allocator:
                 self._add_used(info.cid, -int(busy.sum()))
             self._partial_remove(info.cid, h)
             s = self._slab(h)
+            self.lower_free_floor(h)
             self._set32(s, UNIT_FREE)  # commit point: the units are free
             if _cp.ARMED is not None:
                 _cp.hit("slab.mid_free")
@@ -783,8 +816,9 @@ class Allocator:
 
     # -- repair -------------------------------------------------------------------
     def repair_pool(self) -> int:
-        """POOL was left dirty: rewrite TAIL entries from HEAD entries; returns fixes made."""
+        """POOL was left dirty: rewrite TAIL entries from HEAD entries, restart the free floor; returns fixes made."""
         fixes = 0
+        U32.pack_into(self.mm, FREE_FLOOR_OFF, 0)  # whatever a dead holder left there, the search starts at 0
         covered = np.zeros(self.n_units, dtype=bool)
         for h in np.flatnonzero(self.states == UNIT_HEAD):
             h = int(h)

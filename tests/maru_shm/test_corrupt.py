@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from maru_shm import CorruptPoolError, Store
-from maru_shm.format import CHECKSUM_OFF, CLASS_ENTRY, SLAB_ENTRY, STATE_OFF
+from maru_shm.format import CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, SLAB_ENTRY, STATE_OFF, U32
 from maru_shm.index import key_digest
 
 from . import corrupt_harness as H
@@ -637,3 +637,19 @@ def test_u32_counters_at_their_maximum_wrap(pool_path):
         s.check(repair=True)
         assert s.check().ok, s.check().problems
 
+
+
+def test_free_floor_above_free_units_is_reported_and_restarted(pool_path, make_value):
+    """A damaged free_floor hint (superblock 416) hides free units from the search: check says so, a put
+    still succeeds (the pool makes room by moving a slab, which lowers the floor again), and repair
+    restarts the floor at 0."""
+    with Store.open(pool_path, "8M", create=True, **SMALL) as s:
+        assert s.put("a", make_value("a", 1, 5000))
+        U32.pack_into(s.mm, FREE_FLOOR_OFF, s.geo.n_units)
+        report = s.check()
+        assert not report.ok and any("free_floor" in p for p in report.problems), report.problems
+        assert s.put("b", make_value("b", 1, 40_000)) and s.get("b") == make_value("b", 1, 40_000)
+        U32.pack_into(s.mm, FREE_FLOOR_OFF, s.geo.n_units)
+        assert s.check(repair=True).ok
+        assert U32.unpack_from(s.mm, FREE_FLOOR_OFF)[0] == 0 and s.check().ok
+        assert s.put("c", make_value("c", 1, 5000)) and s.get("c") == make_value("c", 1, 5000)

@@ -14,7 +14,7 @@ from maru_shm.format import (CLASS_LOCK_BASE, LOCK_INIT, LOCK_POOL, LOCK_RECORD,
                              SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
 
-from ..conftest import assert_clean, value_version
+from ..conftest import assert_clean, reserve, value_version
 
 TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
@@ -175,7 +175,7 @@ def test_close_settles_blocks_it_still_owns(open_store, pool_path, make_value):
     keeper = open_store("8M")
     writer = open_store(path=pool_path, create=False)
     info = writer.alloc.class_for(20_000)
-    offs = writer.alloc.allocate(info, [(key_digest("x"), 20_000), (key_digest("y"), 20_000)], writer.slot + 1)
+    offs = reserve(writer, info, ["x", "y"], 20_000)
     assert len(offs) == 2
     writer.close()
     assert_clean(keeper)
@@ -311,7 +311,7 @@ def _attach_and_die(path, lock_id, ready_fd, extra):
     s = Store.open(path)
     assert s.put("dying", b"d" * 5000)
     info = s.alloc.class_for(9000)
-    s.alloc.allocate(info, [(key_digest("never-published"), 9000)], s.slot + 1)  # reserved, never committed
+    reserve(s, info, ["never-published"], 9000)  # reserved, never committed
     os.write(ready_fd, b"1")
     while True:
         time.sleep(1)

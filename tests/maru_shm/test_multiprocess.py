@@ -33,7 +33,8 @@ import pytest
 from maru_shm import Store
 from maru_shm.index import key_digest
 
-from ..conftest import HEADER_SIZE, assert_clean, check_value, make_value, read_notes as _notes, write_note as _note
+from ..conftest import (HEADER_SIZE, assert_clean, check_value, make_value, read_notes as _notes,
+                        reserve as reserve_blocks, write_note as _note)
 
 # ---------------------------------------------------------------- a results board shared across fork
 
@@ -433,11 +434,10 @@ def _die_at_every_crash_point(path, ready_fd):
     import ctypes
     from maru_shm.format import LIVE, SHARD_LOCK_BASE, U64
     s = Store.open(path)
-    owner = s.slot + 1
     info = s.alloc.class_for(9000)
 
     def reserve(key):
-        [off] = s.alloc.allocate(info, [(key_digest(key), 9000)], owner)
+        [off] = reserve_blocks(s, info, [key], 9000)
         v = make_value(key, 1, 9000)
         ctypes.memmove(s.data_address + off, v, len(v))
         return off

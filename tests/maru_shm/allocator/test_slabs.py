@@ -10,6 +10,7 @@ import random
 import numpy as np
 
 from maru_shm.allocator.classes import geometric_sizes
+from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -296,3 +297,49 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     assert s.get(owner_of[ring[801]]) is None and s.get(owner_of[ring[802]]) is None
     assert check_value(owner_of[ring[803]], s.get(owner_of[ring[803]]))
     assert_clean(s)
+
+
+def _free_runs_by_trying_every_start(alloc, k: int, count: int) -> list[int]:
+    """The definition find_free_runs implements: every start of k FREE units in turn, lowest first,
+    skipping starts inside a run already taken or inside an earlier slab's extent."""
+    free = alloc.states == UNIT_FREE
+    out, nxt = [], -1
+    for u in range(alloc.n_units - k + 1):
+        if u >= nxt and free[u:u + k].all() and not alloc._reached_by_earlier_slab(u):
+            out.append(u)
+            nxt = u + k
+            if len(out) == count:
+                break
+    return out
+
+
+def test_free_run_search_matches_trying_every_start(open_store):
+    """find_free_runs reads the slab table in windows from the free floor and takes runs per free segment;
+    on random slab tables (scattered heads, one long free stretch crossing windows, a damaged head whose
+    extent covers FREE units) it returns what trying every start would, and leaves no FREE unit below the
+    floor it writes."""
+    s = open_store("1G")
+    a = s.alloc
+    rng = random.Random(5)
+    k_of = {c.k: c.cid for c in a.classes if c is not None}
+    try:
+        for trial in range(120):
+            heads = np.array([rng.random() < (0.3 if trial % 3 else 0.001) for _ in range(a.n_units)])
+            a.states[:] = np.where(heads, UNIT_HEAD, UNIT_FREE)
+            a.clsfield[:] = k_of[1]
+            if trial % 4 == 0:  # a head whose class says 4 units, with FREE (damaged) entries after it
+                h = rng.randrange(a.n_units - 8)
+                a.states[h] = UNIT_HEAD
+                a.clsfield[h] = k_of[4]
+                a.states[h + 1:h + 4] = UNIT_FREE
+            k, count = rng.choice([1, 2, 4]), rng.choice([1, 3, 40, 5000])
+            U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
+            want = _free_runs_by_trying_every_start(a, k, count)
+            assert a.find_free_runs(k, count) == want, (trial, k, count)
+            floor = U32.unpack_from(s.mm, FREE_FLOOR_OFF)[0]
+            assert not (a.states[:floor] == UNIT_FREE).any()
+            assert a.find_free_runs(k, count) == want  # the same from the floor it raised
+    finally:
+        a.states[:] = UNIT_FREE  # an empty pool again, for the fixture's check
+        a.clsfield[:] = 0
+        U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)

@@ -1,0 +1,57 @@
+"""Pages of a host pool as the store sees them: piece tables, and the write of a batch that skips pages present.
+
+Shared by the v1 calls (MaruStorage) and the v2 pools of hybrid models
+(maru_sglang.hybrid): both describe a batch of pages with the host pool's
+`get_page_buffer_meta` and move them with one store call.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import numpy as np
+
+
+def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | None = None,
+                name: str = "host pool") -> np.ndarray:
+    """(n, per, 2) int64 array of [address, nbytes] rows: the pieces of n pages, in the pool's order.
+
+    Raises ValueError if the pool describes another number of pieces, or (with
+    `page_bytes`) another number of bytes, than n pages of this pool have.
+    """
+    if per == 0:  # a logical anchor (DeepSeek-V4): every page is an empty value
+        return np.zeros((n, 0, 2), dtype=np.int64)
+    meta = host_pool.get_page_buffer_meta(host_indices)
+    if meta is None:
+        raise ValueError(f"{name} returned no page pieces")
+    ptrs, sizes = meta
+    if len(ptrs) != per * n or len(sizes) != len(ptrs):
+        raise ValueError(f"{name} described {len(ptrs)} pieces for {n} pages (expected {per} per page)")
+    out = np.empty((n * per, 2), dtype=np.int64)
+    out[:, 0] = ptrs
+    out[:, 1] = sizes
+    if page_bytes is not None and int(out[:, 1].sum()) != n * page_bytes:
+        raise ValueError(f"{name} described {int(out[:, 1].sum())} bytes for {n} pages of {page_bytes}")
+    return out.reshape(n, per, 2)
+
+
+def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
+                page_bytes: int) -> Tuple[List[bool], int]:
+    """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
+
+    Pages present count as stored and are not copied again (another instance
+    wrote them first: same key, same bytes). The presence check is a hint,
+    made before the copy; anything else stored under a key is replaced.
+    """
+    found = store.resolve(digests, full=False)
+    todo = np.flatnonzero(~(found.ok & (found.lengths == page_bytes)))
+    if not todo.size:
+        return [True] * len(keys), 0
+    if todo.size == len(keys):
+        return store.batch_put_pieces(keys, pieces, digests=digests), len(keys)
+    res = [True] * len(keys)
+    sel = todo.tolist()
+    put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], digests=digests[todo])
+    for i, ok in zip(sel, put):
+        res[i] = ok
+    return res, len(sel)

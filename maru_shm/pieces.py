@@ -1,0 +1,86 @@
+"""Scatter/gather lists of a batch of values, flattened once for the copy loops.
+
+A value is copied to or from caller memory as pieces: (address, nbytes)
+pairs in order (SGLang's host pools describe a KV page as its K and V
+parts, or one part per layer). Callers give them as a list per value, or,
+for a batch of pages that all have the same number of pieces, as one
+(n, pieces per value, 2) integer array, which is flattened without a Python
+step per piece. Either way the sizes are checked once here: a negative size
+would make a value's length smaller than the bytes its pieces copy, and the
+copy would overrun its block.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, in order
+
+
+class PieceTable:
+    """Every piece of a batch: address, size and value, flat; and each value's length in bytes."""
+
+    __slots__ = ("n", "addrs", "sizes", "value", "within", "lengths")
+
+    def __init__(self, addrs: np.ndarray, sizes: np.ndarray, value: np.ndarray, within: np.ndarray,
+                 lengths: np.ndarray):
+        self.n = len(lengths)
+        self.addrs, self.sizes, self.value, self.within, self.lengths = addrs, sizes, value, within, lengths
+
+    @classmethod
+    def of(cls, pieces_list, n: int) -> "PieceTable":
+        """From an (n, k, 2) array of [address, nbytes] rows, or a sequence of n lists of (address, nbytes)."""
+        if isinstance(pieces_list, np.ndarray):
+            if pieces_list.ndim != 3 or pieces_list.shape[0] != n or pieces_list.shape[2] != 2:
+                raise ValueError(f"pieces array of shape {pieces_list.shape}; expected ({n}, pieces, 2)")
+            a = pieces_list.astype(np.int64, copy=False)
+            sizes = a[:, :, 1]
+            if sizes.size and int(sizes.min()) < 0:
+                raise ValueError("a piece has a negative size")
+            ends = np.cumsum(sizes, axis=1)
+            k = a.shape[1]
+            return cls(a[:, :, 0].reshape(-1), sizes.reshape(-1), np.repeat(np.arange(n), k),
+                       (ends - sizes).reshape(-1), ends[:, -1] if k else np.zeros(n, dtype=np.int64))
+        if len(pieces_list) != n:
+            raise ValueError(f"{len(pieces_list)} piece lists for {n} values")
+        counts = [len(p) for p in pieces_list]
+        flat = [x for p in pieces_list for pair in p for x in pair]
+        a = np.array(flat, dtype=np.int64).reshape(-1, 2) if flat else np.zeros((0, 2), dtype=np.int64)
+        sizes = a[:, 1]
+        if sizes.size and int(sizes.min()) < 0:
+            raise ValueError("a piece has a negative size")
+        value = np.repeat(np.arange(n), counts)
+        ends = np.cumsum(sizes)
+        lengths = np.bincount(value, weights=sizes, minlength=n).astype(np.int64)
+        starts = np.cumsum(lengths) - lengths  # where each value's pieces begin in the running total
+        return cls(a[:, 0], sizes, value, ends - sizes - starts[value], lengths)
+
+    def scatter(self, rows, bases):
+        """(destination, source, nbytes) lists, for copying values `rows` into memory at `bases` (one each)."""
+        base = np.full(self.n, -1, dtype=np.int64)
+        base[np.asarray(rows, dtype=np.int64)] = bases
+        per = base[self.value]
+        sel = np.flatnonzero(per >= 0)
+        return (per[sel] + self.within[sel]).tolist(), self.addrs[sel].tolist(), self.sizes[sel].tolist()
+
+    def gather(self, rows, bases):
+        """(destination, source, nbytes) lists, for copying values `rows` out of memory at `bases`."""
+        dst, src, nb = self.scatter(rows, bases)
+        return src, dst, nb
+
+
+def piece_lengths(pieces_list) -> list[int]:
+    """Length in bytes of each value (the small-batch paths, which do not build a table)."""
+    if isinstance(pieces_list, np.ndarray):
+        return PieceTable.of(pieces_list, len(pieces_list)).lengths.tolist()
+    out = []
+    for p in pieces_list:
+        n = 0
+        for _, nb in p:
+            if nb < 0:
+                raise ValueError("a piece has a negative size")
+            n += nb
+        out.append(n)
+    return out
