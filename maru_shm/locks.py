@@ -7,8 +7,11 @@ record in the pool (`dirty`): set on entry, cleared on a clean exit. The next
 holder that finds it set repairs that lock's domain first (LMDB's stale
 reader check, applied to every critical section).
 
-OFD locks do not exclude threads sharing one descriptor, so every lock id
-also has a `threading.Lock` in this process.
+OFD locks do not exclude threads sharing one description, so each thread
+takes section locks on a description of its own (the lock file reopened
+through /proc/self/fd): threads of one process then exclude each other
+exactly as processes do, and a batch of locks costs one fcntl per run of
+consecutive ids, with no per-id thread lock to take and release.
 """
 
 from __future__ import annotations
@@ -86,7 +89,15 @@ def ofd_is_held(fd: int, lock_id: int) -> bool:
 
 
 class LockTable:
-    """All locks of one attached pool, for one process (shared by its threads)."""
+    """All locks of one attached pool, for one process (shared by its threads).
+
+    `fd` is the attachment's description of the lock file: it carries the SLOT
+    lock that proves this process alive. Section locks (INIT, PROC, CLASSTAB,
+    POOL, CLASS, SHARD) are taken on the calling thread's own description
+    (`_thread_fd`), opened on first use and closed by `close`. A thread never
+    takes a lock it already holds (one description would simply hold it twice,
+    and the inner release would drop it): that raises RuntimeError.
+    """
 
     def __init__(self, fd: int, mm, off_records: int, timeout: float):
         self.fd = fd
@@ -95,16 +106,40 @@ class LockTable:
         self.timeout = timeout
         self.slot_plus1 = 0  # set once this process has a proc slot
         self.all_held_by = 0  # thread ident of a caller holding every lock (check), which must take none again
-        self._threads: dict[int, threading.Lock] = {}
+        self._local = threading.local()
+        self._fds: list[int] = []  # every thread's description, closed by close()
         self._guard = threading.Lock()
+        self._closed = False
         self.timeouts = 0
 
-    def _tlock(self, lock_id: int) -> threading.Lock:
-        t = self._threads.get(lock_id)
-        if t is None:
+    def _thread_fd(self):
+        """(description, ids held) of the calling thread."""
+        local = self._local
+        fd = getattr(local, "fd", None)
+        if fd is None:
             with self._guard:
-                t = self._threads.setdefault(lock_id, threading.Lock())
-        return t
+                if self._closed:
+                    raise OSError(errno.EBADF, "lock table is closed")
+                fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+                self._fds.append(fd)
+            local.fd, local.held = fd, set()
+        return fd, local.held
+
+    def close(self) -> None:
+        """Close every thread's description (their locks, none held by now, go with them)."""
+        with self._guard:
+            self._closed = True
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _not_held(self, held: set, ids) -> None:
+        again = held.intersection(ids)
+        if again:
+            raise RuntimeError(f"lock {lock_name(min(again))} is already held by this thread")
 
     def acquire(self, lock_id: int, *, blocking: bool = True, timeout: float | None = None) -> bool | None:
         """Take the lock; return True if its previous holder left it dirty, None if not blocking and busy.
@@ -112,24 +147,16 @@ class LockTable:
         Raises LockTimeout when a blocking wait exceeds the timeout.
         """
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        tl = self._tlock(lock_id)
-        if not tl.acquire(blocking, timeout if blocking else -1):
-            if not blocking:
-                return None
-            self.timeouts += 1
-            raise LockTimeout(self._timeout_message(lock_id, timeout))
-        try:
-            if not self._take_ofd(lock_id, 1, deadline, timeout, blocking):
-                tl.release()
-                return None
-        except BaseException:
-            if tl.locked():
-                tl.release()
-            raise
+        fd, held = self._thread_fd()
+        if lock_id in held:
+            self._not_held(held, (lock_id,))
+        if not self._take_ofd(fd, lock_id, 1, time.monotonic() + timeout, timeout, blocking):
+            return None
+        held.add(lock_id)
         return self._mark(lock_id)
 
-    def _take_ofd(self, lock_id: int, n: int, deadline: float, timeout: float, blocking: bool = True) -> bool:
+    def _take_ofd(self, fd: int, lock_id: int, n: int, deadline: float, timeout: float,
+                  blocking: bool = True) -> bool:
         """OFD-lock ids lock_id .. lock_id+n-1 (all or none per attempt), polling with backoff.
 
         Critical sections last tens of microseconds, and the shortest sleep
@@ -139,7 +166,7 @@ class LockTable:
         """
         delay = 20e-6
         yields = _YIELDS
-        while not ofd_trylock(self.fd, lock_id, n):
+        while not ofd_trylock(fd, lock_id, n):
             if not blocking:
                 return False
             if yields:
@@ -169,8 +196,9 @@ class LockTable:
         """Release; with clean=False the dirty mark stays so the next holder repairs."""
         if clean and lock_id < LOCK_IDS:
             LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
-        ofd_unlock(self.fd, lock_id)
-        self._tlock(lock_id).release()
+        fd, held = self._thread_fd()
+        ofd_unlock(fd, lock_id)
+        held.discard(lock_id)
 
     def acquire_many(self, lock_ids, timeout: float | None = None) -> list[int]:
         """Take several locks of one family in ascending id order; return the ids left dirty.
@@ -189,24 +217,18 @@ class LockTable:
             return ids if self.acquire(ids[0], timeout=timeout) else []
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        taken_t: list[threading.Lock] = []
-        taken_runs: list[tuple[int, int]] = []
+        fd, held = self._thread_fd()
+        self._not_held(held, ids)
+        taken: list[tuple[int, int]] = []
         try:
-            for i in ids:
-                tl = self._threads.get(i) or self._tlock(i)
-                if not tl.acquire(False) and not tl.acquire(True, max(0.0, deadline - time.monotonic())):
-                    self.timeouts += 1
-                    raise LockTimeout(self._timeout_message(i, timeout))
-                taken_t.append(tl)
             for first, n in _runs(ids):
-                self._take_ofd(first, n, deadline, timeout)
-                taken_runs.append((first, n))
+                self._take_ofd(fd, first, n, deadline, timeout)
+                taken.append((first, n))
         except BaseException:
-            for first, n in taken_runs:
-                ofd_unlock(self.fd, first, n)
-            for tl in taken_t:
-                tl.release()
+            for first, n in taken:
+                ofd_unlock(fd, first, n)
             raise
+        held.update(ids)
         idx = np.asarray(ids, dtype=np.int64)
         recs = self._records()
         dirty = idx[recs[idx, 0] != 0].tolist()
@@ -228,10 +250,10 @@ class LockTable:
             return
         if clean:
             self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+        fd, held = self._thread_fd()
         for first, n in _runs(ids):
-            ofd_unlock(self.fd, first, n)
-        for i in ids:
-            self._threads[i].release()
+            ofd_unlock(fd, first, n)
+        held.difference_update(ids)
 
     def hold_many(self, lock_ids, repair_for=None, timeout: float | None = None) -> "_HeldMany":
         """Context manager over acquire_many: `repair_for(id)` runs for each id left dirty, then release_many.

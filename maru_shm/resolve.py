@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .format import LIVE, SLAB_ENTRY, UNIT_HEAD, UNIT_TAIL
+from .format import LIVE, UNIT_HEAD, UNIT_TAIL
+from .index.table import ABSENT
 
 
 
@@ -41,7 +42,7 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     word), so a meta digest equal to the key's proves the entry is the key's.
     Keys that fail at their home slot but found it occupied (displaced by
     probing, absent behind a collision, or caught mid-update) probe on
-    together (`probe_rows`, PROBE_WINDOW slots); the few still undecided after
+    together (`Index.probe`, PROBE_WINDOW slots); the few still undecided after
     that, or found but failing the checks, are finished by the scalar path.
     """
     halves = np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1, 16).view("<u8")
@@ -51,7 +52,7 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     if not ok.all():
         again = np.flatnonzero(~ok & (words != 0))
         if again.size:
-            rows = probe_rows(idx, h0[again], h1[again], PROBE_WINDOW, first_step=1)
+            rows = idx.probe(h0[again], h1[again], PROBE_WINDOW, first_step=1)
             at = np.flatnonzero(rows >= 0)
             if at.size:
                 sel = again[at]
@@ -84,31 +85,6 @@ def _validate(store, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
 PROBE_WINDOW = 16  # slots after the home slot probed together; keys still undecided take the scalar probe
 
 
-ABSENT, UNDECIDED = -1, -2
-
-
-def probe_rows(index, h0: np.ndarray, h1: np.ndarray, window: int, first_step: int = 0) -> np.ndarray:
-    """Row of `index.table` holding each digest's entry; ABSENT if the probe met an empty slot first,
-    UNDECIDED if neither happened within `window` slots (linear probing, as Index.find, batched),
-    starting `first_step` slots after the home slot.
-
-    All `window` slots of every key are gathered at once (one numpy pass, not one per step): the
-    first slot that is empty or holds the key decides. An entry whose word is 0 counts as empty, as
-    in the scalar probe: a writer stores the digest before the word, so it is not published yet.
-    """
-    n = len(h0)
-    mask = index.mask
-    base = (h0 & index.smask_u).astype(np.int64) * index.slots
-    steps = np.arange(first_step, first_step + window, dtype=np.int64)
-    r = base[:, None] + (((h1 & index.mask_u).astype(np.int64)[:, None] + steps) & mask)  # (n, window)
-    e = index.table[r]
-    empty = e[:, :, 2] == 0
-    hit = ~empty & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
-    first = (empty | hit).argmax(axis=1)
-    at = np.arange(n)
-    return np.where(hit[at, first], r[at, first], np.where(empty[at, first], ABSENT, UNDECIDED))
-
-
 def _shift(granule: int) -> int:
     return granule.bit_length() - 1  # granules are powers of two (Geometry.plan)
 
@@ -129,4 +105,4 @@ def _block_starts_ok(store, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray
         & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < bps[cid]) & (lengths <= blk)
 
 
-__all__ = ["resolve", "probe_rows", "Resolved", "ABSENT", "UNDECIDED", "SLAB_ENTRY"]
+__all__ = ["resolve", "Resolved", "PROBE_WINDOW"]

@@ -529,29 +529,38 @@ class Allocator:
             return 0
         idx = np.concatenate(picked)
         vq = np.concatenate(vq_parts)
-        vheads = heads[idx // bps].tolist()
-        vindex = (idx % bps).tolist()
-        victims = (heads[idx // bps] * self.U + (idx % bps) * info.block).tolist()
-        vwords = vq[:, 0].tolist()
-        digs = vq[:, 1:3].copy().tobytes()
-        lens = (vq[:, 3] & np.uint64(0xFFFFFFFF)).tolist()
-        gone = self.ctx.unpublish_many([(digs[16 * i:16 * i + 16], off, w)
-                                        for i, (off, w) in enumerate(zip(victims, vwords))])
+        vheads, vindex = heads[idx // bps], idx % bps
+        voffs = vheads * self.U + vindex * info.block
+        vwords = vq[:, 0]
+        lens = vq[:, 3] & np.uint64(0xFFFFFFFF)
+        gone = self.ctx.unpublish_many(vq[:, 1:3], voffs.astype(np.uint64), vwords)
+        # Free what we unpublished, and orphans (LIVE, unowned, not indexed); a block whose word moved on,
+        # or that another process claimed by unpublishing it first, is not ours to free.
         freed = evicted = evicted_bytes = 0
-        for off, h, i, w, n_bytes, g_ in zip(victims, vheads, vindex, vwords, lens, gone):
-            mo = self.meta_off(off)
-            if U64.unpack_from(self.mm, mo)[0] != w:
-                continue
-            if not g_ and U16.unpack_from(self.mm, mo + 28)[0]:
-                continue  # claimed by a process that unpublished it first: it frees it
-            # unpublished by us, or an orphan (LIVE, unowned, not indexed): free it
-            self._free_block(h, info, i, off)
-            freed += 1
-            if g_:
-                evicted += 1
-                evicted_bytes += n_bytes
-            if _cp.ARMED is not None:
-                _cp.hit("evict.block_mid")
+        if len(voffs) > SMALL_BATCH:
+            g = voffs // self.G
+            now = self.meta_q[g]
+            mine = (now[:, 0] == vwords) & (gone | (((now[:, 3] >> np.uint64(32)) & np.uint64(0xFFFF)) == 0))
+            sel = np.flatnonzero(mine)
+            if sel.size:
+                self._free_many(info, vheads[sel], vindex[sel], g[sel])
+                freed, evicted = int(sel.size), int(gone[sel].sum())
+                evicted_bytes = int(lens[sel][gone[sel]].sum())
+        else:
+            for off, h, i, w, n_bytes, g_ in zip(voffs.tolist(), vheads.tolist(), vindex.tolist(), vwords.tolist(),
+                                                 lens.tolist(), gone.tolist()):
+                mo = self.meta_off(off)
+                if U64.unpack_from(self.mm, mo)[0] != w:
+                    continue
+                if not g_ and U16.unpack_from(self.mm, mo + 28)[0]:
+                    continue  # claimed by a process that unpublished it first: it frees it
+                self._free_block(h, info, i, off)
+                freed += 1
+                if g_:
+                    evicted += 1
+                    evicted_bytes += n_bytes
+                if _cp.ARMED is not None:
+                    _cp.hit("evict.block_mid")
         self.ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
         return freed
 
@@ -683,6 +692,36 @@ class Allocator:
             self._add_used(info.cid, -1)
             self._partial_push(info.cid, h)
 
+    def _free_many(self, info: ClassInfo, heads: np.ndarray, index: np.ndarray, g: np.ndarray) -> None:
+        """CLASS lock held: mark a batch of blocks of one class FREE (blocks `index` of slabs `heads`, block
+        metas `g`; their words checked by the caller), then update the derived state once per slab.
+
+        Every word is bumped first (readers miss from then on), then owner and ref cleared; a crash
+        before the bitmaps, counts and partial list agree leaves them to class repair, which derives
+        them from the block metas.
+        """
+        q = self.meta_q
+        q[g, 0] = (((q[g, 0] >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(FREE)
+        q[g, 3] &= np.uint64(0xFF000000_FFFFFFFF)  # owner 0, ref 0; length and byte 31 kept
+        if _cp.ARMED is not None:
+            _cp.hit("evict.block_mid")
+        order = np.argsort(heads, kind="stable")
+        hs, ix = heads[order].tolist(), index[order].tolist()
+        j = 0
+        while j < len(hs):
+            h, bits = hs[j], 0
+            while j < len(hs) and hs[j] == h:
+                bits |= 1 << ix[j]
+                j += 1
+            s = self._slab(h)
+            bm = int.from_bytes(self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32], "little")
+            cleared = (bm & bits).bit_count()
+            if cleared:
+                self.mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32] = (bm & ~bits).to_bytes(32, "little")
+                self._set32(s + SLAB_NFREE, min(info.bps, self._get32(s + SLAB_NFREE) + cleared))
+                self._add_used(info.cid, -cleared)
+                self._partial_push(info.cid, h)
+
     # -- eviction -----------------------------------------------------------------
     def _slab_referenced(self, h: int, k: int, clear: bool) -> bool:
         hit = False
@@ -785,7 +824,11 @@ class Allocator:
                 if word & 3 == LIVE:
                     live.append((d, off, word))
                     live_len.append(length)
-        gone = ctx.unpublish_many(live) if live else []
+        gone = []
+        if live:
+            halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
+            gone = ctx.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
+                                      np.array([w for _, _, w in live], dtype=np.uint64)).tolist()
         evicted = sum(gone)
         evicted_bytes = sum(n for n, g in zip(live_len, gone) if g)
         q = self.meta_q

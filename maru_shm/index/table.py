@@ -16,8 +16,17 @@ from ..errors import CorruptPoolError
 from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
+ABSENT, UNDECIDED = -1, -2  # Index.probe: an empty slot ended the probe / the window ended it
 
 
+
+
+def _member(a: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
+    """Elementwise: is a's value in `sorted_values`? (np.isin sorts both sides on each call.)"""
+    if not sorted_values.size:
+        return np.zeros(a.shape, dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_values, a), sorted_values.size - 1)
+    return sorted_values[pos] == a
 
 
 class Index:
@@ -71,6 +80,26 @@ class Index:
                 return word, offset
             pos = (pos + 1) & mask
         return None
+
+    def probe(self, h0: np.ndarray, h1: np.ndarray, window: int, first_step: int = 0) -> np.ndarray:
+        """Row of `table` holding each digest's entry (given its u64 halves); ABSENT if the probe met an
+        empty slot first, UNDECIDED if neither happened within `window` slots (linear probing, as
+        `find`, for a batch), starting `first_step` slots after the home slot. No lock.
+
+        All `window` slots of every key are gathered at once (one numpy pass, not one per step): the
+        first slot that is empty or holds the key decides. An entry whose word is 0 counts as empty, as
+        in `find`: a writer stores the digest before the word, so it is not published yet.
+        """
+        n = len(h0)
+        base = (h0 & self.smask_u).astype(np.int64) * self.slots
+        steps = np.arange(first_step, first_step + window, dtype=np.int64)
+        r = base[:, None] + (((h1 & self.mask_u).astype(np.int64)[:, None] + steps) & self.mask)  # (n, window)
+        e = self.table[r]
+        empty = e[:, :, 2] == 0
+        hit = ~empty & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
+        first = (empty | hit).argmax(axis=1)
+        at = np.arange(n)
+        return np.where(hit[at, first], r[at, first], np.where(empty[at, first], ABSENT, UNDECIDED))
 
     # -- under the shard lock ----------------------------------------------------
     def count(self, shard: int) -> int:
@@ -178,6 +207,64 @@ class Index:
         self._delete_at(shard, pos)
         self._set_count(shard, max(0, self.count(shard) - 1))
         return found
+
+    def remove_many(self, halves: np.ndarray, offsets: np.ndarray, words: np.ndarray) -> np.ndarray:
+        """Remove the entries of a batch of digests ((n, 2) u64 halves) that name these blocks (offset and
+        word); the shard locks of all of them are held. Returns the mask of entries removed.
+
+        Entries whose slots no surviving entry's probe path crosses are removed
+        by clearing them: backward-shift deletion would pull nothing back into
+        them. That holds for an entry when every entry after it in its cluster
+        (within 16 slots, up to an empty slot) either sits closer to its own
+        home than to this slot, or is cleared in the same pass. All of them are
+        cleared in one numpy pass, word first (a reader then sees an empty slot,
+        never a half-cleared entry). The rest (an entry a survivor would shift
+        back into, or whose cluster runs past 16 slots) take the scalar
+        `remove`, one by one, after the pass.
+        """
+        h0, h1 = halves[:, 0], halves[:, 1]
+        rows = self.probe(h0, h1, 16)
+        e = self.table[np.maximum(rows, 0)]
+        named = (rows >= 0) & (e[:, 2] == words) & (e[:, 3] == offsets)
+        d = np.arange(1, 17, dtype=np.int64)
+        at_row = np.maximum(rows, 0)  # keys not found are dropped by `named`
+        cols = ((at_row % self.slots)[:, None] + d) & self.mask  # the 16 slots after each entry, (n, 16)
+        win = (at_row - at_row % self.slots)[:, None] + cols
+        after = self.table[win]
+        empty = after[:, :, 2] == 0
+        first_empty = empty.argmax(axis=1)
+        inside = d <= first_empty[:, None]  # the rest of the cluster, up to its first empty slot
+        dist = (cols - (after[:, :, 1] & self.mask_u).astype(np.int64)) & self.mask  # from each one's home
+        victims = np.sort(rows[named])
+        clear = named & empty[np.arange(len(rows)), first_empty] \
+            & ((dist < d) | _member(win, victims) | ~inside).all(axis=1)
+        for _ in range(16):  # an entry stays if a victim after it must go the scalar way: shrink to a fixpoint
+            blocked = clear & (_member(win, np.sort(rows[named & ~clear])) & inside).any(axis=1)
+            if not blocked.any():
+                break
+            clear &= ~blocked
+        else:
+            clear[:] = False  # no fixpoint yet: every entry the scalar way
+        removed = np.zeros(len(rows), dtype=bool)
+        if clear.any():
+            at = rows[clear]
+            self.table[at, 2] = 0
+            self.table[at, 0] = 0
+            self.table[at, 1] = 0
+            self.table[at, 3] = 0
+            counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
+                                strides=(SHARD_HEADER,))
+            try:
+                drop = np.bincount(at // self.slots, minlength=self.nshards)
+                touched = np.flatnonzero(drop)
+                counts[touched] = np.maximum(counts[touched].astype(np.int64) - drop[touched], 0).astype(np.uint32)
+            finally:
+                del counts
+            removed[clear] = True
+        for i in np.flatnonzero(~clear & (named | (rows == UNDECIDED))).tolist():
+            d = halves[i].tobytes()
+            removed[i] = self.remove(self.shard_of(d), d, offset=int(offsets[i]), word=int(words[i])) is not None
+        return removed
 
     def _delete_at(self, shard: int, hole: int) -> None:
         """Backward-shift deletion: pull later entries of the cluster into the hole."""

@@ -7,7 +7,8 @@ import numpy as np
 
 from maru_shm import Store
 from maru_shm.index import digest_array, key_digest
-from maru_shm.resolve import ABSENT, PROBE_WINDOW, UNDECIDED, probe_rows
+from maru_shm.index.table import ABSENT, UNDECIDED
+from maru_shm.resolve import PROBE_WINDOW
 
 
 def _halves(keys):
@@ -25,7 +26,7 @@ def test_batch_lookup_matches_the_scalar_probe_in_a_crowded_index(pool_path, mak
         assert s.stats()["entries"] == len(keys)
         absent = [f"absent-{i}" for i in range(200)]
         h0, h1 = _halves(keys + absent)
-        rows = probe_rows(s.index, h0, h1, PROBE_WINDOW)
+        rows = s.index.probe(h0, h1, PROBE_WINDOW)
         outcomes = {"found": 0, "absent": 0, "undecided": 0}
         for k, r in zip(keys + absent, rows.tolist()):
             found = s.index.find(key_digest(k))
