@@ -44,7 +44,8 @@ point                       where the process dies                              
 ``evict.block_mid``         CLASS held: eviction within a class (block CLOCK) has         after unpublish, before
                             unpublished its victims (one round of shard locks) and      free / orphan (LIVE,
                             freed the first N of them; the rest are LIVE, unowned,      unowned, unindexed)
-                            unindexed
+                            unindexed (more than 8 victims: all words FREE, bitmaps
+                            and counts not yet updated)
 ``slab.mid_move``           CLASS + POOL held: a slab of another class was evicted (its  formatting or freeing a
                             units are FREE), the new slab is not yet formatted           slab
 ``slab.mid_format``         CLASS + POOL held: a new slab's TAILs and then its HEAD are  formatting or freeing a

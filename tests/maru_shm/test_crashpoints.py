@@ -429,6 +429,29 @@ def test_evict_block_mid(pool_path):
         assert_recovered(s, survivors(s, dict(expected, **after, **more)))
 
 
+def test_evict_block_mid_batch_path(pool_path):
+    """The batch path of eviction within a class (more than 8 victims): 12 BIG values into a pool full of
+    BIG values remove 12 entries with Index.remove_many and die after bumping every victim's word to
+    FREE, before bitmaps, free counts and the partial list say so. Class repair by the next holder
+    rebuilds them from the metas, so the next 12 puts reuse exactly those blocks; nothing leaks."""
+    expected = full_pool(pool_path)
+    run_child(pool_path, "evict.block_mid", """
+        s = Store.open(path)
+        keys = [f"blk{i}" for i in range(12)]
+        s.batch_put(keys, [make_value(k, 1, 65536) for k in keys])
+    """)
+    with Store.open(pool_path) as s:
+        alive = survivors(s, expected)
+        assert len(alive) == len(expected) - 12, "exactly the twelve victims are gone"
+        assert s.stats()["slab_moves"] == 0
+        after = {f"after{i}": make_value(f"after{i}", 1, BIG) for i in range(12)}
+        evictions = s.stats()["evictions"]
+        assert all(s.batch_put(list(after), list(after.values())))
+        assert s.stats()["evictions"] == evictions, "the freed victims should have been reused, not evicted"
+        assert leaked_blocks(s) == []
+        assert_recovered(s, survivors(s, dict(expected, **after)))
+
+
 def test_slab_mid_move(pool_path):
     """A slab of the BIG class is evicted to make room for a HALF slab; the process dies before
     formatting it. Exactly that slab's values are gone; the next HALF put formats the free unit."""
