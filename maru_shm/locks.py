@@ -110,6 +110,7 @@ class LockTable:
         self._fds: list[int] = []  # every thread's description, closed by close()
         self._guard = threading.Lock()
         self._closed = False
+        self._recs = None  # numpy view of the lock records (batch paths), made on first use
         self.timeouts = 0
 
     def _thread_fd(self):
@@ -200,7 +201,7 @@ class LockTable:
         ofd_unlock(fd, lock_id)
         held.discard(lock_id)
 
-    def acquire_many(self, lock_ids, timeout: float | None = None) -> list[int]:
+    def acquire_many(self, lock_ids, timeout: float | None = None, *, ordered: bool = False) -> list[int]:
         """Take several locks of one family in ascending id order; return the ids left dirty.
 
         Runs of consecutive ids are taken with one fcntl call each (all or none),
@@ -208,9 +209,10 @@ class LockTable:
         not two per shard. Ascending order is the lock order between ids of a
         family, so two batch holders never deadlock. All or nothing: on a
         timeout every lock already taken is released (clean: nothing was done
-        under them yet) and LockTimeout propagates.
+        under them yet) and LockTimeout propagates. `ordered`: the ids are already
+        distinct and ascending.
         """
-        ids = sorted(set(lock_ids))
+        ids = lock_ids if ordered else sorted(set(lock_ids))
         if ids and (ids[0] < 0 or ids[-1] >= LOCK_IDS):
             raise ValueError("acquire_many takes lock ids that have records")
         if len(ids) == 1:  # the common single-key case: no numpy over the records
@@ -240,11 +242,18 @@ class LockTable:
 
     def _records(self) -> np.ndarray:
         """All lock records as an (ids, 2) u32 array of (dirty, op) over the mapping (batch paths)."""
-        return np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=self.mm, offset=self.off_records)
+        recs = self._recs
+        if recs is None:
+            recs = self._recs = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=self.mm, offset=self.off_records)
+        return recs
 
-    def release_many(self, lock_ids, *, clean: bool = True) -> None:
+    def release_views(self) -> None:
+        """Drop the numpy view of the records so the mapping can be closed."""
+        self._recs = None
+
+    def release_many(self, lock_ids, *, clean: bool = True, ordered: bool = False) -> None:
         """Release locks taken by acquire_many; with clean=False their dirty marks stay."""
-        ids = sorted(set(lock_ids))
+        ids = lock_ids if ordered else sorted(set(lock_ids))
         if len(ids) == 1:
             self.release(ids[0], clean=clean)
             return
@@ -316,16 +325,16 @@ class _HeldMany:
         self.lock_ids = sorted(set(lock_ids))
 
     def __enter__(self) -> list[int]:
-        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout)
+        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout, ordered=True)
         if dirty and self.repair_for is not None:
             try:
                 for i in dirty:
                     self.repair_for(i)
             except BaseException:
-                self.table.release_many(self.lock_ids, clean=False)
+                self.table.release_many(self.lock_ids, clean=False, ordered=True)
                 raise
         return dirty
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.table.release_many(self.lock_ids, clean=exc_type is None)
+        self.table.release_many(self.lock_ids, clean=exc_type is None, ordered=True)
         return False

@@ -51,15 +51,16 @@ def resolve(store, digests: np.ndarray, full: bool = True) -> Resolved:
     offs, words, lengths, ok = _validate(store, idx.table[idx.home_slots(h0, h1)], h0, h1)
     if not ok.all():
         again = np.flatnonzero(~ok & (words != 0))
-        if again.size:
+        if again.size > SCALAR_AGAIN:
             rows = idx.probe(h0[again], h1[again], PROBE_WINDOW, first_step=1)
             at = np.flatnonzero(rows >= 0)
             if at.size:
                 sel = again[at]
                 o2, w2, l2, ok2 = _validate(store, idx.table[rows[at]], h0[sel], h1[sel])
                 offs[sel], words[sel], lengths[sel], ok[sel] = o2, w2, l2, ok2
-            scalar = again[rows != ABSENT]
-            for i in scalar[~ok[scalar]].tolist():
+            again = again[rows != ABSENT]
+        if again.size:
+            for i in again[~ok[again]].tolist():
                 found = store._lookup(halves[i].tobytes())  # same checks, after a bounded probe
                 if found is not None:
                     offs[i], words[i], lengths[i] = found[0], found[1], found[2]
@@ -82,6 +83,7 @@ def _validate(store, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
     return offs, words, lengths, ok
 
 
+SCALAR_AGAIN = 8  # up to this many keys displaced from their home slot take the scalar probe at once
 PROBE_WINDOW = 16  # slots after the home slot probed together; keys still undecided take the scalar probe
 
 

@@ -167,6 +167,7 @@ class Store:
         """Drop every view of the mapping (numpy arrays, the ctypes anchor): mmap.close() refuses while any lives."""
         self.alloc.release_views()
         self.index.release_views()
+        self.locks.release_views()
         del self._anchor
 
     def _check_open(self) -> None:
@@ -780,14 +781,15 @@ class Store:
             shards = [index.shard_of(darr[i].tobytes()) for i in placed_i]
             order = sorted(range(len(placed_i)), key=shards.__getitem__)
         else:
-            shard_arr = (darr.view("<u8")[:, 0] & np.uint64(index.smask))[placed_i]
-            order = np.argsort(shard_arr, kind="stable").tolist()
+            shard_arr = (darr.view("<u8")[:, 0] & index.smask_u)[placed_i]
             shards = shard_arr.tolist()
+            order = None  # ascending shard order, needed only if some key takes the scalar path
         published = [False] * len(placed_i)
         to_free: list[tuple[int, int]] = []
         evicted = evicted_bytes = 0
         claim = self._claim_for_free
-        with self.locks.hold_many([SHARD_LOCK_BASE + s for s in set(shards)], repair_for=self._repair_shard_lock):
+        with self.locks.hold_many([SHARD_LOCK_BASE + s for s in sorted(set(shards))],
+                                  repair_for=self._repair_shard_lock):
             if small:  # not freed under us (we are alive: never); every key by the scalar path
                 slow = {k for k, gi in enumerate(gidx)
                         if U64.unpack_from(mm, self.alloc.off_meta + gi * 32)[0] == lives[k]}
@@ -806,6 +808,8 @@ class Store:
                 for k in cand[fast].tolist():
                     res[placed_i[k]] = published[k] = True
                 slow = set(cand[~fast].tolist())
+            if slow and order is None:
+                order = np.argsort(shard_arr, kind="stable").tolist()
             for k in ([k for k in order if k in slow] if slow else ()):
                 i, off, s = placed_i[k], placed_off[k], shards[k]
                 d = darr[i].tobytes()

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
+FULL_POOL = 1 << 30  # the pool kept full for the steady-state set figure
 
 
 def _page_keys(tag: str, n: int) -> list[str]:
@@ -152,6 +153,15 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
              "interface_v1": 1, "maru_path": pool, "maru_pool_size": pool_bytes}
     maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
     maru.register_mem_pool_host(host)
+    # The steady state of a long-running server: a pool already full, where every batch evicts as many
+    # pages as it writes (block CLOCK eviction within the page class).
+    full_path = f"{pool}-full"
+    full = StorageBackendFactory.create_backend(
+        "dynamic", _storage_config(dict(extra, maru_path=full_path, maru_pool_size=FULL_POOL)), host)
+    full.register_mem_pool_host(host)
+    for b in range(FULL_POOL // (BATCH * page_bytes) + 2):
+        assert all(full.batch_set_v1(_page_keys(f"fill-{page_size}-{b}", BATCH), src)), "filling the full pool"
+    assert full.store.stats()["evictions"] > 0
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
     hfile.register_mem_pool_host(host)
@@ -159,7 +169,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     # the same copies with the destination rotating over a pool-sized mapping, as ours (fresh blocks)
     # (a span of 256 MiB or four batches is far beyond any CPU cache, and bounds the memory it takes)
     cold = _Limit(host, BATCH * page_bytes, span=min(pool_bytes, max(4 * BATCH * page_bytes, 256 << 20)))
-    t = {k: [] for k in ("set", "get", "limit_set", "limit_get", "torch_set", "torch_get", "memmove_set",
+    t = {k: [] for k in ("set", "set_full", "get", "limit_set", "limit_get", "torch_set", "torch_get", "memmove_set",
                          "memmove_get", "cold_limit_set", "cold_limit_get", "file_set", "file_get")}
     try:
         for rep in range(repeat + 1):  # first round warms up, not counted
@@ -173,6 +183,10 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
             ok = maru.batch_get_v1(keys, dst)
             rows.append(("get", time.perf_counter() - t0))
             assert all(ok), "batch_get_v1 failed"
+            t0 = time.perf_counter()
+            ok = full.batch_set_v1(_page_keys(f"{page_size}-{rep}-full", BATCH), src)
+            rows.append(("set_full", time.perf_counter() - t0))
+            assert all(ok), "batch_set_v1 into the full pool failed"
             for way in ("torch", "memmove"):
                 t0 = time.perf_counter()
                 getattr(limit, f"store_{way}")(src)
@@ -205,15 +219,19 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
         limit.close()
         cold.close()
         maru.close()
+        full.close()
         shutil.rmtree(file_dir, ignore_errors=True)
-        if os.path.exists(pool):
-            os.unlink(pool)
+        for path in (pool, full_path):
+            if os.path.exists(path):
+                os.unlink(path)
     nbytes = BATCH * page_bytes
     out = {"page_size": page_size, "page_bytes": page_bytes, "batch": BATCH}
     for name, xs in t.items():
         med, lo, hi = _median(xs)
         out[name] = {"seconds": med, "gbps": nbytes / med / 1e9, "pages_per_s": BATCH / med,
                      "spread_gbps": [nbytes / hi / 1e9, nbytes / lo / 1e9]}
+    out["set_full_vs_limit"] = out["limit_set"]["seconds"] / out["set_full"]["seconds"]
+    out["set_full_vs_cold_limit"] = out["cold_limit_set"]["seconds"] / out["set_full"]["seconds"]
     for op in ("set", "get"):
         out[f"{op}_vs_limit"] = out[f"limit_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_cold_limit"] = out[f"cold_limit_{op}"]["seconds"] / out[op]["seconds"]

@@ -580,7 +580,10 @@ class Allocator:
         n = self.n_units
         if k > n or count <= 0:
             return []
-        lo = min(U32.unpack_from(self.mm, FREE_FLOOR_OFF)[0], n)
+        floor = U32.unpack_from(self.mm, FREE_FLOOR_OFF)[0]
+        lo = min(floor, n)
+        if n - lo < k:  # the free units left at the end (if any) are too few for one slab
+            return []
         window = max(1024, 2 * k * count)
         out: list[int] = []
         first_free = None
@@ -610,7 +613,9 @@ class Allocator:
                 if e == hi < n:  # the segment may go on past the window: resume where its runs stopped
                     resume = max(u, s)
             lo = resume if resume > lo else hi  # always forward
-        U32.pack_into(self.mm, FREE_FLOOR_OFF, first_free if first_free is not None else lo)
+        new_floor = first_free if first_free is not None else lo
+        if new_floor != floor:
+            U32.pack_into(self.mm, FREE_FLOOR_OFF, new_floor)
         return out
 
     def lower_free_floor(self, u: int) -> None:

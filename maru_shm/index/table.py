@@ -222,22 +222,30 @@ class Index:
         back into, or whose cluster runs past 16 slots) take the scalar
         `remove`, one by one, after the pass.
         """
+        # One gather of 32 slots from each home: the probe (the key within the first 16) and the 16
+        # slots after the key's entry come from the same rows.
         h0, h1 = halves[:, 0], halves[:, 1]
-        rows = self.probe(h0, h1, 16)
-        e = self.table[np.maximum(rows, 0)]
-        named = (rows >= 0) & (e[:, 2] == words) & (e[:, 3] == offsets)
+        n = len(h0)
+        at = np.arange(n)
+        cols = ((h1 & self.mask_u).astype(np.int64)[:, None] + np.arange(32)) & self.mask  # (n, 32)
+        r = (h0 & self.smask_u).astype(np.int64)[:, None] * self.slots + cols
+        e = self.table[r]
+        vacant = e[:, :, 2] == 0
+        hit = ~vacant & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
+        j = (vacant | hit).argmax(axis=1)
+        absent = vacant[at, j] & ~hit[at, j]
+        rows = r[at, j]
+        named = hit[at, j] & (j < 16) & (e[at, j, 2] == words) & (e[at, j, 3] == offsets)
         d = np.arange(1, 17, dtype=np.int64)
-        at_row = np.maximum(rows, 0)  # keys not found are dropped by `named`
-        cols = ((at_row % self.slots)[:, None] + d) & self.mask  # the 16 slots after each entry, (n, 16)
-        win = (at_row - at_row % self.slots)[:, None] + cols
-        after = self.table[win]
+        pos = np.minimum(j[:, None] + d, 31)  # the 16 slots after each entry (clipped rows are not named)
+        after = e[at[:, None], pos]
         empty = after[:, :, 2] == 0
         first_empty = empty.argmax(axis=1)
         inside = d <= first_empty[:, None]  # the rest of the cluster, up to its first empty slot
-        dist = (cols - (after[:, :, 1] & self.mask_u).astype(np.int64)) & self.mask  # from each one's home
+        dist = (cols[at[:, None], pos] - (after[:, :, 1] & self.mask_u).astype(np.int64)) & self.mask
+        win = r[at[:, None], pos]
         victims = np.sort(rows[named])
-        clear = named & empty[np.arange(len(rows)), first_empty] \
-            & ((dist < d) | _member(win, victims) | ~inside).all(axis=1)
+        clear = named & empty[at, first_empty] & ((dist < d) | _member(win, victims) | ~inside).all(axis=1)
         for _ in range(16):  # an entry stays if a victim after it must go the scalar way: shrink to a fixpoint
             blocked = clear & (_member(win, np.sort(rows[named & ~clear])) & inside).any(axis=1)
             if not blocked.any():
@@ -261,7 +269,7 @@ class Index:
             finally:
                 del counts
             removed[clear] = True
-        for i in np.flatnonzero(~clear & (named | (rows == UNDECIDED))).tolist():
+        for i in np.flatnonzero(~clear & ~absent).tolist():  # the scalar remove re-checks offset and word
             d = halves[i].tobytes()
             removed[i] = self.remove(self.shard_of(d), d, offset=int(offsets[i]), word=int(words[i])) is not None
         return removed
