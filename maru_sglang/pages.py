@@ -41,10 +41,17 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
 
     Pages present count as stored and are not copied again (another instance
     wrote them first: same key, same bytes). The presence check is a hint,
-    made before the copy; anything else stored under a key is replaced.
+    made before the copy: only keys whose entry sits in its home slot (cheap
+    to ask, and where a present key almost always is) are looked up in full;
+    a present key displaced from its home slot is written again, replacing
+    the old copy. Anything else stored under a key is replaced.
     """
-    found = store.resolve(digests, full=False)
-    todo = np.flatnonzero(~(found.ok & (found.lengths == page_bytes)))
+    present = np.zeros(len(keys), dtype=bool)
+    maybe = np.flatnonzero(store.home_hits(digests))
+    if maybe.size:
+        found = store.resolve(digests[maybe], full=False)
+        present[maybe] = found.ok & (found.lengths == page_bytes)
+    todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * len(keys), 0
     if todo.size == len(keys):

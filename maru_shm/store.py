@@ -513,6 +513,18 @@ class Store:
         self._check_open()
         return resolve(self, digest_array(digests), full=full)
 
+    def home_hits(self, digests) -> np.ndarray:
+        """Cheap, lock-free hint for a batch: True where an entry for the digest sits in its home slot.
+
+        No probe, no validation: a key displaced from its home slot reads False, and
+        True is only "maybe present" (confirm with `resolve`). Writers use it to skip
+        the full lookup of keys that are almost surely new.
+        """
+        self._check_open()
+        halves = digest_array(digests).view("<u8")
+        e = self.index.table[self.index.home_slots(halves[:, 0], halves[:, 1])]
+        return (e[:, 0] == halves[:, 0]) & (e[:, 1] == halves[:, 1]) & (e[:, 2] != 0)
+
     def _digest_batch(self, keys, digests) -> np.ndarray:
         if digests is not None:
             return digest_array(digests)

@@ -48,3 +48,17 @@ def test_batch_lookup_matches_the_scalar_probe_in_a_crowded_index(pool_path, mak
         buf = [np.frombuffer(g, dtype=np.uint8) for g in got]
         assert all(s.batch_get_pieces(keys, [[(b.ctypes.data, 2000)] for b in buf]))
         assert all(bytes(g) == make_value(k, 1, 2000) for k, g in zip(keys, got))
+
+
+def test_home_hits_is_a_hint_that_never_misses_a_key_at_home(pool_path, make_value):
+    """home_hits: True for every stored key whose entry is in its home slot, False for absent keys; a key
+    displaced by probing reads False (a writer then just writes it again)."""
+    with Store.open(pool_path, "16M", create=True, granule=1024, index_shards=1, index_slots=128) as s:
+        keys = [f"key-{i}" for i in range(80)]
+        assert all(s.batch_put(keys, [make_value(k, 1, 2000) for k in keys]))
+        digests = digest_array([key_digest(k) for k in keys + [f"absent-{i}" for i in range(50)]])
+        hint = s.home_hits(digests)
+        h0, h1 = _halves(keys)
+        at_home = s.index.probe(h0, h1, 1) >= 0
+        assert hint[:80].tolist() == at_home.tolist() and at_home.any() and not at_home.all()
+        assert not hint[80:].any()
