@@ -449,6 +449,8 @@ class Allocator:
         first, the other is the fallback. False if no room could be made.
         """
         need = -(-nblocks // info.bps)
+        if nblocks >= info.bps:
+            need += 1  # a batch that fills whole slabs formats one more: the next batch finds it partial
         with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
             runs = self.find_free_runs(info.k, need)
             for u in runs:
