@@ -774,7 +774,7 @@ class Store:
         if armed is not None:
             _cp.hit("put.before_free")
         if to_free:
-            self.alloc.free_blocks(to_free)
+            self.alloc.free_blocks(to_free, defer_if_busy=True)
         ok = sum(res)
         written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
         self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,

@@ -37,6 +37,10 @@ MOVE_ABS = 0.05
 # a numpy call costs a few microseconds whatever its length, which only pays off over many keys.
 SMALL_BATCH = 8
 
+# Blocks a process may leave to free at its next hold of a class lock, per class, rather than wait for
+# that lock only to free them (Allocator.free_blocks).
+DEFER_MAX = 64
+
 
 class ClassInfo:
     __slots__ = ("cid", "kind", "k", "block", "bps")
@@ -89,6 +93,7 @@ class Allocator:
         self.exact: dict[int, int] = {}
         self._classes_version = -1
         self.refresh_classes()
+        self.deferred: dict[int, list[tuple[int, int]]] = {}  # class id -> owned blocks to free (free_blocks)
 
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
@@ -318,6 +323,8 @@ class Allocator:
         # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
         rounds = m + 2 * self.n_units + 4
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
+            if self.deferred.get(cid):
+                self._free_listed(cid, self.deferred.pop(cid))  # frees this process put off (free_blocks)
             self._add_demand(cid, m * info.block)
             while len(out) + len(pending) < m and rounds > 0:
                 rounds -= 1
@@ -666,23 +673,54 @@ class Allocator:
         self._partial_push(info.cid, h)
 
     # -- freeing ------------------------------------------------------------------
-    def free_blocks(self, blocks) -> int:
-        """Free blocks given as (offset, word) if their word is unchanged; returns how many were freed."""
+    def free_blocks(self, blocks, defer_if_busy: bool = False) -> int:
+        """Free blocks given as (offset, word) if their word is unchanged; returns how many were freed.
+
+        With `defer_if_busy` (the blocks must be owned by this process: an overwrite's old block, claimed
+        when it was unpublished), a class whose lock another holder has is not waited for: its blocks
+        join this process's deferred list for that class, freed at its next hold of the class lock
+        (`allocate` or a later free), at most DEFER_MAX per class. Until then they stay LIVE, owned
+        and unindexed, which every reader, `check` and eviction treat as in flight; `close` and a
+        reaper settle them like any block a process still owns. So under contention a put takes the
+        class lock once, not twice, and no process waits on a lock only to free a block.
+        """
         by_class: dict[int, list] = {}
         for off, word in blocks:
             h, info = self.head_of(off)
             if info is not None:
                 by_class.setdefault(info.cid, []).append((off, word))
         freed = 0
+        locks = self.ctx.locks
         for cid, items in by_class.items():
-            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
-                for off, word in items:
-                    loc = self.block_index(off)
-                    if loc is None or loc[1].cid != cid:
-                        continue
-                    if U64.unpack_from(self.mm, self.meta_off(off))[0] == word:
-                        self._free_block(loc[0], loc[1], loc[2], off)
-                        freed += 1
+            lock_id = CLASS_LOCK_BASE + cid
+            if defer_if_busy and len(self.deferred.get(cid, ())) + len(items) <= DEFER_MAX:
+                dirty = locks.acquire(lock_id, blocking=False)
+                if dirty is None:
+                    self.deferred.setdefault(cid, []).extend(items)
+                    continue
+                try:
+                    if dirty:
+                        self.repair_class(cid)
+                    freed += self._free_listed(cid, items + self.deferred.pop(cid, []))
+                except BaseException:
+                    locks.release(lock_id, clean=False)
+                    raise
+                locks.release(lock_id)
+                continue
+            with locks.hold(lock_id, repair=lambda c=cid: self.repair_class(c)):
+                freed += self._free_listed(cid, items + self.deferred.pop(cid, []))
+        return freed
+
+    def _free_listed(self, cid: int, items) -> int:
+        """CLASS[cid] held: free each (offset, word) that is still a block of the class with that word."""
+        freed = 0
+        for off, word in items:
+            loc = self.block_index(off)
+            if loc is None or loc[1].cid != cid:
+                continue
+            if U64.unpack_from(self.mm, self.meta_off(off))[0] == word:
+                self._free_block(loc[0], loc[1], loc[2], off)
+                freed += 1
         return freed
 
     def _free_block(self, h: int, info: ClassInfo, i: int, off: int) -> None:

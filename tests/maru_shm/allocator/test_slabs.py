@@ -343,3 +343,39 @@ def test_free_run_search_matches_trying_every_start(open_store):
         a.states[:] = UNIT_FREE  # an empty pool again, for the fixture's check
         a.clsfield[:] = 0
         U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
+
+
+def test_a_busy_class_lock_defers_an_owned_free_to_the_next_hold(open_store, make_value):
+    """free_blocks(defer_if_busy=True) does not wait for a class lock another holder has: the block stays
+    LIVE, owned and unindexed (check is clean: a put in flight) and is freed at this process's next
+    hold of that class lock."""
+    import threading
+    from maru_shm.format import CLASS_LOCK_BASE, FREE, U16, U64
+    s = open_store("16M")
+    assert s.put("old", make_value("old", 1, 20_000))
+    off, word, _, m = s._lookup(key_digest("old"))
+    info = s.alloc.class_for(20_000)
+    s.unpublish(key_digest("old"), off, word)
+    U16.pack_into(s.mm, m + 28, s.slot + 1)  # claimed, as an overwrite claims the block it replaces
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        assert s.alloc.free_blocks([(off, word)], defer_if_busy=True) == 0
+        assert s.alloc.deferred[info.cid] == [(off, word)]
+        assert U64.unpack_from(s.mm, m)[0] == word  # still LIVE and ours
+    finally:
+        release.set()
+        t.join()
+    assert s.check().ok
+    assert s.put("new", make_value("new", 1, 20_000))  # its allocate holds the class lock: frees first
+    assert not s.alloc.deferred.get(info.cid)
+    assert U64.unpack_from(s.mm, m)[0] & 3 == FREE or s._lookup(key_digest("new"))[0] == off
+    assert s.get("new") == make_value("new", 1, 20_000)
