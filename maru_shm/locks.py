@@ -273,7 +273,7 @@ class LockTable:
 
     def holds_all(self) -> bool:
         """Does the calling thread hold every lock (check(repair=True))? Then it must not take one again:
-        the per-id thread lock is not re-entrant."""
+        locks are not re-entrant."""
         return self.all_held_by == threading.get_ident()
 
     def hold(self, lock_id: int, repair=None, timeout: float | None = None) -> "_Held":

@@ -127,7 +127,7 @@ def test_init_lock_timeout_on_open(open_store, pool_path, children):
 
 
 def test_threads_of_one_process_exclude_each_other(open_store):
-    """OFD locks do not exclude threads sharing a descriptor; the per-id thread lock must."""
+    """OFD locks do not exclude threads sharing a descriptor; each thread's own lock-file description must."""
     s = open_store("4M")
     held, release = threading.Event(), threading.Event()
 
@@ -399,7 +399,7 @@ def test_hold_many_repairs_each_dirty_lock_and_leaves_all_dirty_on_error(open_st
 
 
 def test_hold_many_waits_for_threads_of_its_own_process(open_store):
-    """OFD locks do not exclude threads: the per-id thread locks must, for ranges too."""
+    """OFD locks do not exclude threads: each thread's own description must, for ranges too."""
     s = open_store()
     inside = threading.Event()
     release = threading.Event()
@@ -460,3 +460,33 @@ def test_killed_batch_publisher_leaves_every_shard_repaired(open_store, pool_pat
     for k in more:
         assert value_version(k, s.get(k)) == 2, k
     assert_clean(s)
+
+
+def test_a_thread_never_takes_a_lock_it_holds(open_store):
+    """One description would simply hold the lock twice and the inner release would drop it: refused."""
+    s = open_store("4M")
+    with s.locks.hold(LOCK_POOL):
+        with pytest.raises(RuntimeError, match="already held"):
+            s.locks.acquire(LOCK_POOL)
+        with pytest.raises(RuntimeError, match="already held"):
+            s.locks.acquire_many(_shard_ids(1, 2) + [LOCK_POOL])
+    ids = _shard_ids(3, 4, 9)
+    with s.locks.hold_many(ids):
+        with pytest.raises(RuntimeError, match="already held"):
+            s.locks.acquire(ids[1])
+    assert s.locks.acquire(LOCK_POOL, timeout=TIMEOUT) is False  # all released cleanly
+    s.locks.release(LOCK_POOL)
+
+
+def test_close_closes_every_thread_description(open_store, pool_path, make_value):
+    """Each thread that took a lock opened its own description of the lock file; close() closes them all."""
+    before = len(os.listdir("/proc/self/fd"))
+    s = Store.open(pool_path, "8M", create=True)
+    workers = [threading.Thread(target=lambda i=i: s.put(f"k{i}", make_value(f"k{i}", 1, 5000))) for i in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert len(os.listdir("/proc/self/fd")) >= before + 5  # pool file and one description per thread
+    s.close()
+    assert len(os.listdir("/proc/self/fd")) == before
