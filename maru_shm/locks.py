@@ -22,6 +22,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -88,13 +89,23 @@ def ofd_is_held(fd: int, lock_id: int) -> bool:
     return _FLOCK.unpack(res)[0] != _F_UNLCK
 
 
+class _ThreadLocks:
+    """One thread's lock-file description and the lock ids it holds (dropped with the thread)."""
+
+    __slots__ = ("fd", "held", "__weakref__")
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.held: set[int] = set()
+
+
 class LockTable:
     """All locks of one attached pool, for one process (shared by its threads).
 
     `fd` is the attachment's description of the lock file: it carries the SLOT
     lock that proves this process alive. Section locks (INIT, PROC, CLASSTAB,
     POOL, CLASS, SHARD) are taken on the calling thread's own description
-    (`_thread_fd`), opened on first use and closed by `close`. A thread never
+    (`_thread_fd`), opened on first use and closed when the thread ends or by `close`. A thread never
     takes a lock it already holds (one description would simply hold it twice,
     and the inner release would drop it): that raises RuntimeError.
     """
@@ -115,16 +126,29 @@ class LockTable:
 
     def _thread_fd(self):
         """(description, ids held) of the calling thread."""
-        local = self._local
-        fd = getattr(local, "fd", None)
-        if fd is None:
+        mine = getattr(self._local, "mine", None)
+        if mine is None:
             with self._guard:
                 if self._closed:
                     raise OSError(errno.EBADF, "lock table is closed")
                 fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
                 self._fds.append(fd)
-            local.fd, local.held = fd, set()
-        return fd, local.held
+            mine = self._local.mine = _ThreadLocks(fd)
+            # The thread's local state goes when the thread ends: so does its description (a thread that
+            # died holding a lock leaves it dirty, like a dead process; the next holder repairs).
+            weakref.finalize(mine, self._forget_fd, fd).atexit = False
+        return mine.fd, mine.held
+
+    def _forget_fd(self, fd: int) -> None:
+        """Close a finished thread's description, unless `close` already has (its number may be reused)."""
+        with self._guard:
+            if fd not in self._fds:
+                return
+            self._fds.remove(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Close every thread's description (their locks, none held by now, go with them)."""

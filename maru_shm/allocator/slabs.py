@@ -9,6 +9,7 @@ free counts, partial lists and TAIL entries are derived and are rebuilt by
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 
 import numpy as np
@@ -94,6 +95,7 @@ class Allocator:
         self._classes_version = -1
         self.refresh_classes()
         self.deferred: dict[int, list[tuple[int, int]]] = {}  # class id -> owned blocks to free (free_blocks)
+        self._deferred_guard = threading.Lock()  # threads of this process share `deferred`
 
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
@@ -323,8 +325,8 @@ class Allocator:
         # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
         rounds = m + 2 * self.n_units + 4
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
-            if self.deferred.get(cid):
-                self._free_listed(cid, self.deferred.pop(cid))  # frees this process put off (free_blocks)
+            if self.deferred:
+                self._free_listed(cid, self._take_deferred(cid))  # frees this process put off (free_blocks)
             self._add_demand(cid, m * info.block)
             while len(out) + len(pending) < m and rounds > 0:
                 rounds -= 1
@@ -696,20 +698,29 @@ class Allocator:
             if defer_if_busy and len(self.deferred.get(cid, ())) + len(items) <= DEFER_MAX:
                 dirty = locks.acquire(lock_id, blocking=False)
                 if dirty is None:
-                    self.deferred.setdefault(cid, []).extend(items)
+                    with self._deferred_guard:
+                        self.deferred.setdefault(cid, []).extend(items)
                     continue
                 try:
                     if dirty:
                         self.repair_class(cid)
-                    freed += self._free_listed(cid, items + self.deferred.pop(cid, []))
+                    freed += self._free_listed(cid, items + self._take_deferred(cid))
                 except BaseException:
                     locks.release(lock_id, clean=False)
                     raise
                 locks.release(lock_id)
                 continue
             with locks.hold(lock_id, repair=lambda c=cid: self.repair_class(c)):
-                freed += self._free_listed(cid, items + self.deferred.pop(cid, []))
+                freed += self._free_listed(cid, items + self._take_deferred(cid))
         return freed
+
+    def _take_deferred(self, cid: int) -> list:
+        """CLASS[cid] held: take this process's deferred frees of the class (under the thread guard, so
+        a list another thread is extending is never dropped half-filled)."""
+        if not self.deferred:
+            return []
+        with self._deferred_guard:
+            return self.deferred.pop(cid, [])
 
     def _free_listed(self, cid: int, items) -> int:
         """CLASS[cid] held: free each (offset, word) that is still a block of the class with that word."""

@@ -236,6 +236,11 @@ class Index:
         absent = vacant[at, j] & ~hit[at, j]
         rows = r[at, j]
         named = hit[at, j] & (j < 16) & (e[at, j, 2] == words) & (e[at, j, 3] == offsets)
+        idx = np.flatnonzero(named)
+        if len(idx) > 1:  # an item named twice in the batch: its later copies are not removed again
+            first = np.zeros(n, dtype=bool)
+            first[idx[np.unique(rows[idx], return_index=True)[1]]] = True
+            named &= first
         d = np.arange(1, 17, dtype=np.int64)
         pos = np.minimum(j[:, None] + d, 31)  # the 16 slots after each entry (clipped rows are not named)
         after = e[at[:, None], pos]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -478,15 +479,49 @@ def test_a_thread_never_takes_a_lock_it_holds(open_store):
     s.locks.release(LOCK_POOL)
 
 
-def test_close_closes_every_thread_description(open_store, pool_path, make_value):
-    """Each thread that took a lock opened its own description of the lock file; close() closes them all."""
+def test_close_closes_every_live_thread_description(open_store, pool_path, make_value):
+    """Each thread that took a lock opened its own description of the lock file; close() closes those of
+    threads still running."""
     before = len(os.listdir("/proc/self/fd"))
     s = Store.open(pool_path, "8M", create=True)
-    workers = [threading.Thread(target=lambda i=i: s.put(f"k{i}", make_value(f"k{i}", 1, 5000))) for i in range(4)]
+    done, leave = threading.Barrier(5), threading.Event()
+
+    def worker(i):
+        s.put(f"k{i}", make_value(f"k{i}", 1, 5000))
+        done.wait(30)
+        leave.wait(30)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in workers:
         t.start()
-    for t in workers:
-        t.join()
-    assert len(os.listdir("/proc/self/fd")) >= before + 5  # pool file and one description per thread
-    s.close()
+    try:
+        done.wait(30)
+        assert len(os.listdir("/proc/self/fd")) >= before + 5  # pool file and one description per thread
+        s.close()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        leave.set()
+        for t in workers:
+            t.join()
+    gc.collect()  # the finished threads' state goes: nothing is closed twice
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_finished_thread_closes_its_description(open_store, pool_path, make_value):
+    """Threads come and go (a server's worker pool): each one's description is closed when it ends, so
+    the process does not collect descriptors, and the pool stays usable from the threads still alive."""
+    s = open_store("8M")
+    s.put("warm", make_value("warm", 1, 5000))
+    before = len(os.listdir("/proc/self/fd"))
+    for round_ in range(20):
+        workers = [threading.Thread(target=lambda i=i: s.put(f"k{round_}-{i}", make_value(f"k{i}", 1, 5000)))
+                   for i in range(4)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert len(s.locks._fds) == 1  # the main thread's
+    assert s.get("k19-3") is not None
+    assert s.check().ok

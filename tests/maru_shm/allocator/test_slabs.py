@@ -379,3 +379,33 @@ def test_a_busy_class_lock_defers_an_owned_free_to_the_next_hold(open_store, mak
     assert not s.alloc.deferred.get(info.cid)
     assert U64.unpack_from(s.mm, m)[0] & 3 == FREE or s._lookup(key_digest("new"))[0] == off
     assert s.get("new") == make_value("new", 1, 20_000)
+
+
+def test_threads_overwriting_under_a_busy_class_lock_orphan_no_block(open_store, make_value):
+    """Threads of one process share the deferred-free list: while some defer an old block (their class
+    lock busy) others take the list at their hold. Nothing is dropped between the two: once a last
+    put of the class has held the lock, every LIVE block is an indexed value."""
+    import threading
+    s = open_store("32M")
+    keys = [f"k{i}" for i in range(16)]
+    errors = []
+
+    def worker(t):
+        try:
+            for r in range(150):
+                k = keys[(r * 7 + t) % len(keys)]
+                s.put(k, make_value(k, r, 20_000))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert s.put("last", make_value("last", 1, 20_000))  # holds the class lock: flushes what is deferred
+    assert not any(s.alloc.deferred.values())
+    st = s.stats()
+    assert st["live_blocks"] == st["entries"] == len(keys) + 1
+    assert s.check().ok
