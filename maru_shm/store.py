@@ -776,7 +776,10 @@ class Store:
         if to_free:
             self.alloc.free_blocks(to_free, defer_if_busy=True)
         ok = sum(res)
-        written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
+        if len(placed_i) == n and all(published):  # the common case: every value placed and published
+            written = sum(lengths)
+        else:
+            written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
         self.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
                    bytes_written=written)
         self.flush_counters()

@@ -595,25 +595,30 @@ class Allocator:
         lo = min(floor, n)
         if n - lo < k:  # the free units left at the end (if any) are too few for one slab
             return []
-        window = max(1024, 2 * k * count)
+        # The slab table is 64 bytes per unit and cold after a large copy: read what a filling pool needs
+        # (its runs sit right at the floor), doubling the window while runs are missing.
+        window = max(64, 2 * k * count)
         out: list[int] = []
         first_free = None
         nxt = lo  # no run may start before this (the end of the last run taken)
         while lo < n and len(out) < count:
             hi = min(n, lo + window)
             free = self.states[lo:hi] == UNIT_FREE
-            bounds = np.flatnonzero(np.diff(free, prepend=False, append=False)) + lo  # segment starts, ends
-            if first_free is None and bounds.size:
-                first_free = int(bounds[0])
+            bounds = (np.flatnonzero(free[1:] != free[:-1]) + (lo + 1)).tolist()  # segment starts, ends
+            if free[0]:
+                bounds.insert(0, lo)
+            if free[-1]:
+                bounds.append(hi)
+            if first_free is None and bounds:
+                first_free = bounds[0]
             resume = hi
-            for s, e in zip(bounds[0::2].tolist(), bounds[1::2].tolist()):
+            for s, e in zip(bounds[0::2], bounds[1::2]):
                 # Maximal segments of FREE units [s, e), runs taken greedily from each start: the same runs
                 # as trying every start in turn, without a Python step per unit of a large free area.
                 u = max(s, nxt)
+                if u + k <= e:
+                    u = max(u, self._reach_before(s))  # past a damaged extent that runs into the segment
                 while u + k <= e:
-                    if self._reached_by_earlier_slab(u):
-                        u += 1  # inside a damaged extent: the next start may be clear of it
-                        continue
                     out.append(u)
                     if len(out) == count:
                         break
@@ -624,6 +629,7 @@ class Allocator:
                 if e == hi < n:  # the segment may go on past the window: resume where its runs stopped
                     resume = max(u, s)
             lo = resume if resume > lo else hi  # always forward
+            window = min(2 * window, 1 << 16)
         new_floor = first_free if first_free is not None else lo
         if new_floor != floor:
             U32.pack_into(self.mm, FREE_FLOOR_OFF, new_floor)
@@ -634,6 +640,19 @@ class Allocator:
         in between leaves the floor low: a longer search, never a unit it skips)."""
         if u < U32.unpack_from(self.mm, FREE_FLOOR_OFF)[0]:
             U32.pack_into(self.mm, FREE_FLOOR_OFF, max(0, u))
+
+    def _reach_before(self, s: int) -> int:
+        """The first unit at or after s that no slab whose HEAD is before s extends over (s if none does).
+
+        For a segment of FREE units starting at s, no HEAD lies inside the segment, so one read of the
+        kmax units before s clears every start in it (the per-start `_reached_by_earlier_slab`, once).
+        """
+        lo = max(0, s - self._kmax + 1)
+        heads = np.flatnonzero(self.states[lo:s] == UNIT_HEAD) + lo
+        if not heads.size:
+            return s
+        cls = np.minimum(self.clsfield[heads], len(self._kvec) - 1).astype(np.int64)
+        return max(s, int((heads + self._kvec[cls]).max()))
 
     def _reached_by_earlier_slab(self, u: int) -> bool:
         """Does a slab whose HEAD is before unit u extend to u or beyond?
