@@ -21,6 +21,9 @@ point                       where the process dies                              
 ==========================  ==========================================================  ==========================
 ``put.after_alloc``         a put has RESERVED its blocks (CLASS lock released), before  after reserving, before
                             copying anything                                             commit
+``alloc.mid_reuse``         a put reusing a block its process kept (an overwritten     after reserving, before
+                            block) has bumped its word to RESERVED, before rewriting    commit
+                            digest and length (no lock held)
 ``put.mid_copy``            after each source piece is copied into a RESERVED block     after reserving, before
                             (N counts pieces: a two-piece put dies half copied)          commit
 ``put.before_index``        every block of the put is committed (LIVE, owned), before   after commit, before
@@ -85,6 +88,7 @@ ENV = "MARU_SHM_CRASH_AT"
 
 POINTS = (
     "put.after_alloc",
+    "alloc.mid_reuse",
     "put.mid_copy",
     "put.before_index",
     "index.mid_insert",

@@ -156,11 +156,12 @@ class _Snapshot:
 
     @property
     def meta(self):
-        """(words, lengths) of every block meta."""
+        """(words, lengths, owners) of every block meta."""
         if self._meta is None:
             g = self.g
             self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, 32, "<u8"),
-                          _column(self.v.mm, g.off_blockmeta + 24, g.n_granules, 32, "<u4"))
+                          _column(self.v.mm, g.off_blockmeta + 24, g.n_granules, 32, "<u4"),
+                          _column(self.v.mm, g.off_blockmeta + 28, g.n_granules, 32, "<u2"))
         return self._meta
 
 
@@ -205,7 +206,7 @@ def index_shape(src) -> dict:
 
 def _class_rows(snap: _Snapshot) -> list[dict]:
     g = snap.g
-    words, lengths = snap.meta
+    words, lengths, owners = snap.meta
     rows = []
     heads_all = snap.states == UNIT_HEAD
     for cid, info in sorted(snap.classes.items()):
@@ -216,15 +217,18 @@ def _class_rows(snap: _Snapshot) -> list[dict]:
         offs = (heads[:, None] * g.unit_size + np.arange(info["bps"], dtype=np.int64)[None, :] * info["block"]).ravel()
         starts = offs // g.granule
         st = words[starts] & np.uint64(3)
-        lv = st == LIVE
+        owned = owners[starts] != 0
+        lv = (st == LIVE) & ~owned  # published values (an owned LIVE block is in flight or kept for reuse)
         n_live = int(lv.sum())
         n_res = int((st == RESERVED).sum())
+        n_held = int(((st == LIVE) & owned).sum())
         live_bytes = int(lengths[starts][lv].sum())
         rows.append({
             "class": cid, "kind": "exact" if info["kind"] == KIND_EXACT else "geometric",
             "block_size": info["block"], "slab_units": info["k"], "blocks_per_slab": info["bps"],
             "slabs": int(heads.size), "blocks": int(starts.size),
-            "used": n_live + n_res, "live": n_live, "reserved": n_res, "free": int((st == 0).sum()),
+            "used": n_live + n_res + n_held, "live": n_live, "reserved": n_res, "held": n_held,
+            "free": int((st == 0).sum()),
             "live_bytes": live_bytes,
             "fragmentation": 1 - live_bytes / (n_live * info["block"]) if n_live else 0.0,
         })
@@ -334,9 +338,10 @@ def counters(src) -> dict:
 
 def _space(snap: _Snapshot) -> dict:
     g = snap.g
-    words, lengths = snap.meta
+    words, lengths, owners = snap.meta
     st = words & np.uint64(3)
-    live = st == LIVE
+    owned = owners != 0
+    live = (st == LIVE) & ~owned  # published values
     live_bytes = int(lengths[live].sum())
     return {
         "units": g.n_units,
@@ -344,6 +349,7 @@ def _space(snap: _Snapshot) -> dict:
         "slabs": int((snap.states == UNIT_HEAD).sum()),
         "live_blocks": int(live.sum()),
         "reserved_blocks": int((st == RESERVED).sum()),
+        "held_blocks": int(((st == LIVE) & owned).sum()),  # committed, owned: in flight or kept for reuse
         "live_bytes": live_bytes,
         "utilization": live_bytes / g.file_size,
         "data_utilization": live_bytes / g.data_bytes,
@@ -370,6 +376,7 @@ def pool_stats(src) -> dict:
         "slabs": sp["slabs"],
         "max_value": g.max_value,
         "live_blocks": sp["live_blocks"],
+        "held_blocks": sp["held_blocks"],
         "live_bytes": sp["live_bytes"],
         "utilization": sp["utilization"],
         "data_utilization": sp["data_utilization"],

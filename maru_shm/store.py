@@ -774,7 +774,7 @@ class Store:
         if armed is not None:
             _cp.hit("put.before_free")
         if to_free:
-            self.alloc.free_blocks(to_free, defer_if_busy=True)
+            self.alloc.free_blocks(to_free, keep=self.slot + 1)  # ours kept for our next puts of the class
         ok = sum(res)
         if len(placed_i) == n and all(published):  # the common case: every value placed and published
             written = sum(lengths)

@@ -9,6 +9,7 @@ free counts, partial lists and TAIL entries are derived and are rebuilt by
 from __future__ import annotations
 
 import bisect
+import struct
 import threading
 import time
 
@@ -38,9 +39,12 @@ MOVE_ABS = 0.05
 # a numpy call costs a few microseconds whatever its length, which only pays off over many keys.
 SMALL_BATCH = 8
 
-# Blocks a process may leave to free at its next hold of a class lock, per class, rather than wait for
-# that lock only to free them (Allocator.free_blocks).
-DEFER_MAX = 64
+# Blocks a process keeps per class, owned and unindexed, for its own next allocations of the class
+# (Allocator.free_blocks(keep=True), Allocator.allocate): at most KEEP_MAX blocks and KEEP_BYTES bytes
+# (at least one block), so an idle process holds back little of the pool.
+KEEP_MAX = 16
+KEEP_BYTES = 4 << 20
+_REST = struct.Struct("<16sIHB")  # meta bytes 8..30: digest, length, owner, ref (META_STRUCT after the word)
 
 
 class ClassInfo:
@@ -94,8 +98,8 @@ class Allocator:
         self.exact: dict[int, int] = {}
         self._classes_version = -1
         self.refresh_classes()
-        self.deferred: dict[int, list[tuple[int, int]]] = {}  # class id -> owned blocks to free (free_blocks)
-        self._deferred_guard = threading.Lock()  # threads of this process share `deferred`
+        self.kept: dict[int, list[tuple[int, int]]] = {}  # class id -> (offset, word) kept for reuse
+        self._kept_guard = threading.Lock()  # threads of this process share `kept`
 
     def release_views(self) -> None:
         """Drop numpy views so the mapping can be closed."""
@@ -298,12 +302,31 @@ class Allocator:
         Blocks are taken from the partial slabs first and reserved together
         (one numpy pass) before anything that may evict or repair this class:
         a taken block must carry its owner by then, or the eviction that makes
-        room for the rest could free the slab under it.
+        room for the rest could free the slab under it. Blocks this process
+        keeps for the class (`free_blocks(keep=True)`) are reused first, without
+        the class lock (`_reuse_kept`); the lock is taken only for the rest.
         """
         cid = info.cid
         m = len(lengths)
+        out: list[int] = self._reuse_kept(info, digests, lengths, owner) if self.kept.get(cid) else []
+        reused = len(out)
+        if reused == m:
+            return out
+        if out:
+            try:
+                return self._allocate_locked(info, digests, lengths, owner, out)
+            except BaseException:  # reused blocks go back to the list (RESERVED, still ours) for the next put
+                with self._kept_guard:
+                    self.kept.setdefault(cid, []).extend(
+                        (off, U64.unpack_from(self.mm, self.meta_off(off))[0]) for off in out[:reused])
+                raise
+        return self._allocate_locked(info, digests, lengths, owner, out)
+
+    def _allocate_locked(self, info: ClassInfo, digests, lengths, owner: int, out: list[int]) -> list[int]:
+        """The part of `allocate` under the class lock: values len(out) .. m-1 (out holds blocks reused)."""
+        cid = info.cid
+        m = len(lengths)
         small = m <= SMALL_BATCH  # scalar bitmap and meta writes
-        out: list[int] = []
         pending: list[int] = []
 
         def reserve_pending():
@@ -325,9 +348,7 @@ class Allocator:
         # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
         rounds = m + 2 * self.n_units + 4
         with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
-            if self.deferred:
-                self._free_listed(cid, self._take_deferred(cid))  # frees this process put off (free_blocks)
-            self._add_demand(cid, m * info.block)
+            self._add_demand(cid, (m - len(out)) * info.block)
             while len(out) + len(pending) < m and rounds > 0:
                 rounds -= 1
                 head = self._get32(self._cls_off(cid) + CLS_PARTIAL)
@@ -385,6 +406,41 @@ class Allocator:
                     self._partial_remove(cid, h)
                 self.mm[s + SLAB_REF] = 1
             reserve_pending()
+        return out
+
+    def _reuse_kept(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
+        """Re-reserve blocks this process keeps for the class for the first values of a batch; no lock.
+
+        A kept block is LIVE, owned by this process and unindexed (an overwrite's old
+        block, or one of ours that lost its publication): no reader can reach it
+        through the index, no other process frees or evicts a block a live process
+        owns, and its bitmap bit and the class counts already say "used". So the
+        owner moves it LIVE -> RESERVED itself, as it moves RESERVED -> LIVE at
+        commit: the word first (the next sequence: a reader still holding the old
+        word fails validation from then on), then digest, length, owner, ref. A
+        block whose word or owner is not what was kept (the pool was cleared) is
+        dropped from the list and left alone. No demand is counted: the class does
+        not grow. FORMAT.md section 8, put step 6.
+        """
+        m = len(lengths)
+        with self._kept_guard:
+            lst = self.kept.get(info.cid)
+            if not lst:
+                return []
+            take = lst[-m:]
+            del lst[-m:]
+        out: list[int] = []
+        mm = self.mm
+        for off, word in take:
+            if not self._ours_to_keep(info.cid, off, word, owner):
+                continue
+            mo = self.meta_off(off)
+            j = len(out)
+            store_u64(mm, mo, next_word(word, RESERVED))
+            if _cp.ARMED is not None:
+                _cp.hit("alloc.mid_reuse")  # RESERVED, still the old digest and length
+            _REST.pack_into(mm, mo + 8, digests[j].tobytes(), int(lengths[j]), owner, 0)
+            out.append(off)
         return out
 
     def _reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
@@ -694,52 +750,58 @@ class Allocator:
         self._partial_push(info.cid, h)
 
     # -- freeing ------------------------------------------------------------------
-    def free_blocks(self, blocks, defer_if_busy: bool = False) -> int:
+    def free_blocks(self, blocks, keep: int = 0) -> int:
         """Free blocks given as (offset, word) if their word is unchanged; returns how many were freed.
 
-        With `defer_if_busy` (the blocks must be owned by this process: an overwrite's old block, claimed
-        when it was unpublished), a class whose lock another holder has is not waited for: its blocks
-        join this process's deferred list for that class, freed at its next hold of the class lock
-        (`allocate` or a later free), at most DEFER_MAX per class. Until then they stay LIVE, owned
-        and unindexed, which every reader, `check` and eviction treat as in flight; `close` and a
-        reaper settle them like any block a process still owns. So under contention a put takes the
-        class lock once, not twice, and no process waits on a lock only to free a block.
+        With `keep` (this process's owner value, slot + 1; the blocks must be unindexed: an overwrite's
+        old block, claimed when it was unpublished, or one of ours that was not published), each class
+        first keeps up to `keep_limit` of those still owned by `keep` with that word for this
+        process's next allocations of the class (`allocate` reuses them without the class lock). They stay LIVE, owned and unindexed, which every reader,
+        `check` and eviction treat as in flight; `close` and a reaper settle them like any block a
+        process still owns. So an overwrite-heavy process takes the class lock neither to free its old
+        blocks nor to allocate new ones. Only the rest is freed, under the class lock.
         """
         by_class: dict[int, list] = {}
+        infos: dict[int, ClassInfo] = {}
         for off, word in blocks:
             h, info = self.head_of(off)
             if info is not None:
                 by_class.setdefault(info.cid, []).append((off, word))
+                infos[info.cid] = info
         freed = 0
-        locks = self.ctx.locks
         for cid, items in by_class.items():
-            lock_id = CLASS_LOCK_BASE + cid
-            if defer_if_busy and len(self.deferred.get(cid, ())) + len(items) <= DEFER_MAX:
-                dirty = locks.acquire(lock_id, blocking=False)
-                if dirty is None:
-                    with self._deferred_guard:
-                        self.deferred.setdefault(cid, []).extend(items)
+            if keep:
+                room = self.keep_limit(infos[cid]) - len(self.kept.get(cid, ()))
+                if room > 0:
+                    mine, rest = [], []
+                    for off, word in items:
+                        # Kept only if still ours with that word (a block published by this batch and then
+                        # evicted by it is not: freed) and a block start of the class (trust no offset).
+                        if len(mine) < room and self._ours_to_keep(cid, off, word, keep):
+                            mine.append((off, word))
+                        else:
+                            rest.append((off, word))
+                    with self._kept_guard:
+                        self.kept.setdefault(cid, []).extend(mine)
+                    items = rest
+                if not items:
                     continue
-                try:
-                    if dirty:
-                        self.repair_class(cid)
-                    freed += self._free_listed(cid, items + self._take_deferred(cid))
-                except BaseException:
-                    locks.release(lock_id, clean=False)
-                    raise
-                locks.release(lock_id)
-                continue
-            with locks.hold(lock_id, repair=lambda c=cid: self.repair_class(c)):
-                freed += self._free_listed(cid, items + self._take_deferred(cid))
+            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+                freed += self._free_listed(cid, items)
         return freed
 
-    def _take_deferred(self, cid: int) -> list:
-        """CLASS[cid] held: take this process's deferred frees of the class (under the thread guard, so
-        a list another thread is extending is never dropped half-filled)."""
-        if not self.deferred:
-            return []
-        with self._deferred_guard:
-            return self.deferred.pop(cid, [])
+    def _ours_to_keep(self, cid: int, off: int, word: int, owner: int) -> bool:
+        """Is `off` a block start of a slab of class cid whose meta still has this word and owner?"""
+        loc = self.block_index(off)
+        if loc is None or loc[1].cid != cid:
+            return False
+        mo = self.meta_off(off)
+        return U64.unpack_from(self.mm, mo)[0] == word and U16.unpack_from(self.mm, mo + META_OWNER_OFF)[0] == owner
+
+    @staticmethod
+    def keep_limit(info: ClassInfo) -> int:
+        """Blocks of a class a process keeps for reuse (KEEP_MAX, KEEP_BYTES, at least one)."""
+        return max(1, min(KEEP_MAX, KEEP_BYTES // info.block))
 
     def _free_listed(self, cid: int, items) -> int:
         """CLASS[cid] held: free each (offset, word) that is still a block of the class with that word."""

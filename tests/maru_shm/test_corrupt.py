@@ -229,6 +229,8 @@ PINNED = [
     [("xor", 40960, 1), ("xor", 40960, 2), ("xor", 43648, 2)],  # TAIL -> FREE: new slab over a live one
     [("u64", 20504, 2**64 - 2**32)],                       # class slab/used counters at 2**32 - 1: struct.error
     [("u32", 20508, 2**32 - 1)],                           # class used counter at 2**32 - 1: struct.error
+    [("copy", 41024, 40960, 64)],                          # slab entry copied: an old block kept for reuse
+                                                           # was no block start of its class (overlapped k9)
 ]
 
 

@@ -176,7 +176,7 @@ def recover(pool_path: str, expected: dict, missing=(), sizes=(SIZE,), fresh: bo
 # ---------------------------------------------------------------- every point has a test
 
 ALL_POINTS = [
-    "put.after_alloc", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
+    "put.after_alloc", "alloc.mid_reuse", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
     "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid", "evict.block_mid",
     "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "init.mid_header",
     "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
@@ -234,6 +234,20 @@ def test_put_after_alloc(pool_path):
         s.batch_put(["new1", "seed0"], [make_value("new1", 1, 5000), make_value("seed0", 2, 5000)])
     """)
     recover(pool_path, expected, missing=["new1"])  # seed0 keeps version 1
+
+
+def test_alloc_mid_reuse(pool_path):
+    """An overwrite keeps its old block; the next put of the class reuses it without a lock and dies with its
+    word RESERVED but digest and length still the old value's. Readers never take a RESERVED block, the
+    reused key keeps its old value, and reaping frees the block (RESERVED, owned by the dead process)."""
+    expected = new_pool(pool_path)
+    run_child(pool_path, "alloc.mid_reuse", """
+        s = Store.open(path)
+        assert s.put("seed1", make_value("seed1", 2, 5000))  # the old block of seed1 is kept
+        s.put("seed2", make_value("seed2", 2, 5000))  # reuses it: dies mid reuse
+    """)
+    expected["seed1"] = make_value("seed1", 2, 5000)
+    recover(pool_path, expected)  # seed2 keeps version 1
 
 
 def test_put_mid_copy(pool_path):

@@ -345,18 +345,25 @@ def test_free_run_search_matches_trying_every_start(open_store):
         U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
 
 
-def test_a_busy_class_lock_defers_an_owned_free_to_the_next_hold(open_store, make_value):
-    """free_blocks(defer_if_busy=True) does not wait for a class lock another holder has: the block stays
-    LIVE, owned and unindexed (check is clean: a put in flight) and is freed at this process's next
-    hold of that class lock."""
+def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the_class_lock(open_store, pool_path,
+                                                                                         make_value):
+    """free_blocks(keep=...) from the put path: the old block of an overwrite stays LIVE, owned and unindexed
+    (check is clean: held, not live), and this process's next put of that class takes it without the class
+    lock, even while another holder has that lock. At most keep_limit blocks are kept per class; close
+    frees them."""
     import threading
-    from maru_shm.format import CLASS_LOCK_BASE, FREE, U16, U64
+    import time
+    from maru_shm import Store
+    from maru_shm.format import CLASS_LOCK_BASE
     s = open_store("16M")
-    assert s.put("old", make_value("old", 1, 20_000))
-    off, word, _, m = s._lookup(key_digest("old"))
     info = s.alloc.class_for(20_000)
-    s.unpublish(key_digest("old"), off, word)
-    U16.pack_into(s.mm, m + 28, s.slot + 1)  # claimed, as an overwrite claims the block it replaces
+    assert s.put("a", make_value("a", 1, 20_000))
+    old_off, old_word, _, _ = s._lookup(key_digest("a"))
+    assert s.put("a", make_value("a", 2, 20_000))
+    assert s.alloc.kept[info.cid] == [(old_off, old_word)]
+    st = s.stats()
+    assert st["live_blocks"] == st["entries"] == 1 and st["held_blocks"] == 1
+    assert s.check().ok
     held, release = threading.Event(), threading.Event()
 
     def holder():
@@ -368,23 +375,35 @@ def test_a_busy_class_lock_defers_an_owned_free_to_the_next_hold(open_store, mak
     t.start()
     try:
         assert held.wait(10)
-        assert s.alloc.free_blocks([(off, word)], defer_if_busy=True) == 0
-        assert s.alloc.deferred[info.cid] == [(off, word)]
-        assert U64.unpack_from(s.mm, m)[0] == word  # still LIVE and ours
+        t0 = time.monotonic()
+        assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
+        assert time.monotonic() - t0 < 1.0
+        assert s._lookup(key_digest("b"))[0] == old_off
+        assert not s.alloc.kept[info.cid]
     finally:
         release.set()
         t.join()
+    assert s.get("a") == make_value("a", 2, 20_000) and s.get("b") == make_value("b", 1, 20_000)
+    limit = s.alloc.keep_limit(info)
+    for r in range(3):
+        for i in range(limit + 4):
+            assert s.put(f"k{i}", make_value(f"k{i}", r, 20_000))
+    assert len(s.alloc.kept[info.cid]) <= limit
+    assert s.stats()["held_blocks"] == len(s.alloc.kept[info.cid])
     assert s.check().ok
-    assert s.put("new", make_value("new", 1, 20_000))  # its allocate holds the class lock: frees first
-    assert not s.alloc.deferred.get(info.cid)
-    assert U64.unpack_from(s.mm, m)[0] & 3 == FREE or s._lookup(key_digest("new"))[0] == off
-    assert s.get("new") == make_value("new", 1, 20_000)
+    s.close()
+    s2 = Store.open(pool_path)
+    try:
+        st = s2.stats()
+        assert st["held_blocks"] == 0 and st["live_blocks"] == st["entries"] == limit + 6
+        assert s2.check().ok
+    finally:
+        s2.close()
 
 
-def test_threads_overwriting_under_a_busy_class_lock_orphan_no_block(open_store, make_value):
-    """Threads of one process share the deferred-free list: while some defer an old block (their class
-    lock busy) others take the list at their hold. Nothing is dropped between the two: once a last
-    put of the class has held the lock, every LIVE block is an indexed value."""
+def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, make_value):
+    """Threads of one process share the list of kept blocks: some add old blocks while others take them.
+    Nothing is dropped between the two: every LIVE block is an indexed value or a kept one."""
     import threading
     s = open_store("32M")
     keys = [f"k{i}" for i in range(16)]
@@ -404,8 +423,8 @@ def test_threads_overwriting_under_a_busy_class_lock_orphan_no_block(open_store,
     for t in threads:
         t.join()
     assert not errors
-    assert s.put("last", make_value("last", 1, 20_000))  # holds the class lock: flushes what is deferred
-    assert not any(s.alloc.deferred.values())
     st = s.stats()
-    assert st["live_blocks"] == st["entries"] == len(keys) + 1
+    kept = sum(len(v) for v in s.alloc.kept.values())
+    assert st["live_blocks"] == st["entries"] == len(keys)
+    assert st["held_blocks"] == kept <= s.alloc.keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
     assert s.check().ok
