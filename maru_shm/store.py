@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import weakref
 from contextlib import nullcontext
 from typing import Iterable, Sequence
 
@@ -31,6 +32,20 @@ from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
+
+# Stores open in this process. A child made by fork() inherits them with the parent's process slot,
+# SLOT lock and lock descriptions (an OFD lock is shared by every copy of its descriptor), and its
+# kept blocks: using one there would act as the parent. The child marks them forked: every call
+# raises PoolClosedError, and close() only drops the child's copies of the mapping and descriptors.
+_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _forget_stores_in_child() -> None:
+    for store in list(_OPEN_STORES):
+        store._forked = True
+
+
+os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 
 
@@ -118,6 +133,7 @@ class Store:
         self._data = ctypes.addressof(self._anchor) + pf.geo.off_data
         self._counters = [0] * N_COUNTERS
         self._closed = False
+        self._forked = False
         self.slot = -1
         self.alloc = Allocator(self)
         try:
@@ -132,6 +148,7 @@ class Store:
                 self._release_exports()
                 self.locks.close()
             raise
+        _OPEN_STORES.add(self)
 
     def __enter__(self) -> "Store":
         return self
@@ -156,8 +173,10 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        _OPEN_STORES.discard(self)
         try:
-            self._detach()
+            if not self._forked:  # a forked child's slot is its parent's: leave it attached
+                self._detach()
         finally:
             self._release_exports()
             self.locks.close()
@@ -171,8 +190,10 @@ class Store:
         del self._anchor
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError("store is closed")
+        if self._closed or self._forked:
+            raise PoolClosedError("store is closed" if self._closed else
+                                  "store was opened before fork() by the parent process; open the pool again "
+                                  "in this process (the slot, locks and kept blocks are the parent's)")
 
     # ---------------------------------------------------------------- process table
     def _slot_off(self, slot: int) -> int:

@@ -254,3 +254,30 @@ def test_block_meta_length_beyond_the_block_is_a_miss(store):
     store.mm[m + 24:m + 28] = (store.geo.data_bytes).to_bytes(4, "little")  # runs past the data area
     assert store.get("k") is None
     assert store.get_into("k", bytearray(1 << 24)) is None
+
+
+def test_a_forked_child_cannot_use_the_parents_store(store):
+    """fork() copies an open Store with the parent's slot, SLOT lock and lock descriptions: the child
+    cannot act as the parent (every call raises PoolClosedError), and its close() leaves the parent
+    attached and its pool clean."""
+    import os
+    v = make_value("a", 1, 5000)
+    assert store.put("a", v)
+    pid = os.fork()
+    if pid == 0:  # the child: exit codes say what went wrong
+        code = 0
+        try:
+            try:
+                store.get("a")
+                code = 1
+            except PoolClosedError:
+                pass
+            store.close()
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get("a") == v and store.put("b", make_value("b", 1, 5000))
+    assert store.stats()["processes"] == 1
+    assert_clean(store, reap=False)
