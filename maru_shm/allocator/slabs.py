@@ -18,7 +18,7 @@ import numpy as np
 from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_DEMAND,
                       CLS_DEMAND_EPOCH, CLS_HAND, CLS_NSLABS, CLS_PARTIAL, CLS_USED, DEMAND_ACC_OFF,
                       DEMAND_EPOCH_OFF, FREE, FREE_FLOOR_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
-                      LOCK_CLASSTAB, LOCK_POOL, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
+                      LOCK_CLASSTAB, LOCK_POOL, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
                       store_u64)
@@ -790,13 +790,18 @@ class Allocator:
                 freed += self._free_listed(cid, items)
         return freed
 
+    def _owned_by_live(self, meta_off: int) -> bool:
+        owner = U16.unpack_from(self.mm, meta_off + META_OWNER_OFF)[0]
+        return bool(owner) and self.ctx.slot_alive(owner)
+
     def _ours_to_keep(self, cid: int, off: int, word: int, owner: int) -> bool:
         """Is `off` a block start of a slab of class cid whose meta still has this word and owner?"""
         loc = self.block_index(off)
         if loc is None or loc[1].cid != cid:
             return False
         mo = self.meta_off(off)
-        return U64.unpack_from(self.mm, mo)[0] == word and U16.unpack_from(self.mm, mo + META_OWNER_OFF)[0] == owner
+        return (U64.unpack_from(self.mm, mo)[0] == word and U16.unpack_from(self.mm, mo + META_OWNER_OFF)[0] == owner
+                and U32.unpack_from(self.mm, mo + META_LENGTH_OFF)[0] <= loc[1].block)
 
     @staticmethod
     def keep_limit(info: ClassInfo) -> int:
@@ -950,7 +955,9 @@ class Allocator:
         """Holding the slabs' CLASS locks and POOL: unpublish and free every block, return the units.
 
         The LIVE blocks of all slabs are unpublished in one round of their shard
-        locks (Store.unpublish_many), not one lock round per block.
+        locks (Store.unpublish_many), not one lock round per block. A slab one of
+        whose blocks a live process claimed meanwhile is not freed (the window
+        then stays short of free units: the caller looks for a free run anyway).
         """
         ctx = self.ctx
         live, live_len = [], []
@@ -969,7 +976,20 @@ class Allocator:
         evicted = sum(gone)
         evicted_bytes = sum(n for n, g in zip(live_len, gone) if g)
         q = self.meta_q
+        moved = 0
         for h, info in slabs:
+            if not self._slab_evictable(h, info):
+                # While we unpublished, a live process claimed a block here first (it replaced or deleted
+                # the block's entry under the shard lock): that block is its own now, and it may keep it
+                # for reuse without a class lock (free_blocks(keep=...)), so the slab stays. The blocks we
+                # did unpublish are freed one by one. No new claim can follow: no entry names a block of
+                # this slab any more, and we hold its class lock.
+                end = h * self.U + info.bps * info.block
+                for (_, off, word), g_ in zip(live, gone):
+                    if g_ and h * self.U <= off < end and U64.unpack_from(self.mm, self.meta_off(off))[0] == word:
+                        self._free_block(h, info, (off - h * self.U) // info.block, off)
+                continue
+            moved += 1
             # every block FREE at once (word bumped first, so readers miss), then owner and ref cleared;
             # bitmap and free count need no upkeep: the slab leaves the class and is reformatted on reuse
             g = (h * self.U + np.arange(info.bps, dtype=np.int64) * info.block) // self.G
@@ -991,7 +1011,7 @@ class Allocator:
                     self._set32(self._slab(t), UNIT_FREE)
             o = self._cls_off(info.cid) + CLS_NSLABS
             self._set32(o, max(0, self._get32(o) - 1))
-        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=len(slabs),
+        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                   orphans_freed=len(live) - evicted)
 
     # -- repair -------------------------------------------------------------------
@@ -1031,13 +1051,18 @@ class Allocator:
         index is asked under each shard's lock (Store.indexed_many), once per
         shard, after a first pass has picked the LIVE blocks whose fate depends
         on it. Holding CLASS[cid], no block of the class changes between FREE
-        and not FREE meanwhile, and a LIVE block's word cannot change.
+        and not FREE meanwhile. A LIVE block can still become owned: a live
+        process that replaced or deleted its entry (under the shard lock, before
+        the index was asked) claimed it, and may keep it and reuse it without
+        this lock. So the owner is read again just before a block is freed: a
+        block a live process owns is its own to settle, and stays used.
         """
         info = self.classes[cid] if cid < len(self.classes) else None
         if info is None:
             return 0
         heads = [h for h in self.class_slabs(cid) if h + info.k <= self.n_units]  # not past the data area
         drop: set[int] = set()
+        damaged: set[int] = set()  # freed whoever owns them
         ask = []  # LIVE blocks kept only if indexed: (digest, offset, word, dead owner to clear or 0)
         for h in heads:
             for i in range(info.bps):
@@ -1047,7 +1072,7 @@ class Allocator:
                 if state == FREE:
                     continue
                 if state not in (RESERVED, LIVE) or length > info.block:
-                    drop.add(off)
+                    damaged.add(off)
                 elif owner and self.ctx.slot_alive(owner):
                     continue  # a live writer's block (in flight or being unpublished): it settles it
                 elif state == RESERVED:
@@ -1075,7 +1100,7 @@ class Allocator:
                 (word,) = U64.unpack_from(self.mm, m)
                 if word & 3 == FREE:
                     continue
-                if off in drop:
+                if off in damaged or (off in drop and not self._owned_by_live(m)):
                     store_u64(self.mm, m, next_word(word, FREE))
                     U16.pack_into(self.mm, m + 28, 0)
                     freed += 1

@@ -231,6 +231,8 @@ PINNED = [
     [("u32", 20508, 2**32 - 1)],                           # class used counter at 2**32 - 1: struct.error
     [("copy", 41024, 40960, 64)],                          # slab entry copied: an old block kept for reuse
                                                            # was no block start of its class (overlapped k9)
+    [("xor", 57369, 4)],                                   # meta length past the block, then overwritten:
+                                                           # kept for reuse, and repair spared its owner
 ]
 
 

@@ -428,3 +428,76 @@ def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, m
     assert st["live_blocks"] == st["entries"] == len(keys)
     assert st["held_blocks"] == kept <= s.alloc.keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
     assert s.check().ok
+
+
+def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(open_store, make_value):
+    """A slab move checks its slabs, then unpublishes their values under the shard locks. If a live process
+    claims one of those blocks in between (its overwrite replaced the entry first) and keeps it for reuse
+    without a class lock, freeing the slab would hand that block out twice. The move re-checks after
+    unpublishing: the slab stays, the blocks it did unpublish are freed one by one, the claimed one stays
+    LIVE and owned, and the process's next put of the class reuses it."""
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE, UNIT_HEAD, U64
+    s = open_store("16M")
+    size = 20 * KiB
+    s.declare_size(size)
+    info, n = _fill_one_class(s, size)
+    h = _slab_of(s, "f0")
+    victims = [f"f{i}" for i in range(n) if _slab_of(s, f"f{i}") == h]
+    claimed = victims[0]
+    d = key_digest(claimed)
+    off, word = s.index.find(d)[1], s.index.find(d)[0]
+    real = s.unpublish_many
+
+    def claim_first(halves, offsets, words):  # "another" live process (here: this one) overwrites first
+        sh = s.index.shard_of(d)
+        with s.locks.hold(SHARD_LOCK_BASE + sh):
+            s._claim_for_free(off, word)
+            s.index.remove(sh, d)
+        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        return real(halves, offsets, words)
+
+    s.unpublish_many = claim_first
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid), s.locks.hold(LOCK_POOL):
+        s.alloc._evict_slabs([(h, info)])
+    s.unpublish_many = real
+    assert U32.unpack_from(s.mm, s.alloc._slab(h))[0] == UNIT_HEAD, "the slab stays in its class"
+    assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
+    assert all(s.get(k) is None for k in victims)
+    assert s.stats()["held_blocks"] == 1 and s.stats()["slab_moves"] == 0
+    assert s.check().ok
+    assert s.put("new", make_value("new", 1, size))
+    assert s._lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
+    assert s.check().ok
+
+
+def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store, make_value):
+    """Class repair picks LIVE blocks without owner, asks the index which are still published, and frees
+    the rest. A live process that overwrote one of them meanwhile claimed it (its entry replaced under the
+    shard lock before the index was asked) and may reuse it without the class lock: repair reads the owner
+    again before freeing, and leaves it used."""
+    from maru_shm.format import CLASS_LOCK_BASE, SHARD_LOCK_BASE, U64
+    s = open_store("16M")
+    info = s.alloc.class_for(20_000)
+    assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
+    d = key_digest("a")
+    word, off = s.index.find(d)
+    real = s.indexed_many
+
+    def claim_first(ask):
+        sh = s.index.shard_of(d)
+        with s.locks.hold(SHARD_LOCK_BASE + sh):
+            s._claim_for_free(off, word)
+            s.index.remove(sh, d)
+        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        return real(ask)
+
+    s.indexed_many = claim_first
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert s.alloc.repair_class(info.cid) == 0
+    s.indexed_many = real
+    assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
+    assert s.check().ok
+    assert s.put("c", make_value("c", 1, 20_000))
+    assert s._lookup(key_digest("c"))[0] == off, "the next put reuses it"
+    assert s.put("e", make_value("e", 1, 20_000)) and s._lookup(key_digest("e"))[0] != off
+    assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
