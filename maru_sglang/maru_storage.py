@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 from maru_shm import SizeMismatchError, Store, StoreError, format_size
 
 from . import hybrid
-from maru_shm.index import prefixed_digests
+from maru_shm.index import prefixed_digest, prefixed_digests
 
 from .config import MaruConfig
 from .namespace import kv_format_fingerprint, namespace_for
@@ -195,12 +195,13 @@ class MaruStorage(HiCacheStorage):
         try:
             if not keys:
                 return 0
-            # a prefix query usually misses at once, or hits throughout: hash the first key alone first
-            if not self.store.leading_hits(length=self.page_bytes, digests=self._digests(keys[:1])):
+            # a prefix query usually misses at once, or hits throughout: probe the first key alone first
+            ns = self._namespace()
+            if self.store.length_of(digest=prefixed_digest(ns, keys[0])) != self.page_bytes:
                 return 0
             if len(keys) == 1:
                 return 1
-            return self.store.leading_hits(length=self.page_bytes, digests=self._digests(keys))
+            return self.store.leading_hits(length=self.page_bytes, digests=prefixed_digests(ns, keys))
         except Exception as e:
             self._log_once("batch_exists", e)
             return 0

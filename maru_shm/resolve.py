@@ -83,6 +83,52 @@ def _validate(store, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
     return offs, words, lengths, ok
 
 
+def leading_present(store, digests: np.ndarray, length: int | None = None) -> int:
+    """How many digests, from the first, name a committed value (of exactly `length` bytes, if given).
+
+    SGLang asks this of every prefetch (`batch_exists`, 128 keys), so the common
+    case, every key in its home slot, takes one fused pass: the home entries and
+    their block metas are gathered, and the checks `_validate` makes (section 8 of
+    docs/FORMAT.md: value inside the data area, meta word equal to the entry's and
+    LIVE, meta digest equal to the key's; here also the stored length) are XOR-ed
+    and OR-ed into one u64 per key, zero only for a hit. The keys before the first
+    nonzero one are hits; the others take the scalar probe (a few keys displaced
+    from their home slot) or, if there are many, `resolve` decides from the first.
+    """
+    n = len(digests)
+    g = store.geo
+    if not n or (length is not None and not 0 <= length <= g.data_bytes):
+        return 0
+    halves = digests.view("<u8")
+    idx = store.index
+    e = idx.table[idx.home_slots(halves[:, 0], halves[:, 1])]
+    # an offset outside the data area reads a clipped meta, and fails its own check below
+    m = store.alloc.meta_q.take((e[:, 3] >> np.uint64(_shift(g.granule))).view(np.int64), axis=0, mode="clip")
+    d = m[:, 1:3] ^ halves
+    bad = (m[:, 0] ^ e[:, 2]) | d[:, 0] | d[:, 1] | ((m[:, 0] & np.uint64(3)) ^ np.uint64(LIVE))
+    if length is None:
+        bad |= (e[:, 3] >= np.uint64(g.data_bytes)) | (e[:, 3] + (m[:, 3] & _LENGTH) > np.uint64(g.data_bytes))
+    else:  # offset + length <= data_bytes, and offset inside it
+        bad |= ((m[:, 3] ^ np.uint64(length)) & _LENGTH) | (e[:, 3] > np.uint64(g.data_bytes - max(length, 1)))
+    nz = np.flatnonzero(bad)
+    if not nz.size:
+        return n
+    if nz.size <= SCALAR_AGAIN:  # a few keys displaced from their home slot (or misses): the scalar probe
+        for i in nz.tolist():
+            found = store._lookup(digests[i].tobytes())
+            if found is None or (length is not None and found[2] != length):
+                return i
+        return n
+    first = int(nz[0])
+    r = resolve(store, digests[first:], full=False)
+    ok = r.ok if length is None else r.ok & (r.lengths == length)
+    miss = np.flatnonzero(~ok)
+    return first + (int(miss[0]) if miss.size else int(ok.size))
+
+
+_LENGTH = np.uint64(0xFFFFFFFF)  # block meta bytes 24..27 of the u64 at 24: the value's length
+
+
 SCALAR_AGAIN = 8  # up to this many keys displaced from their home slot take the scalar probe at once
 PROBE_WINDOW = 16  # slots after the home slot probed together; keys still undecided take the scalar probe
 
@@ -107,4 +153,4 @@ def _block_starts_ok(store, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray
         & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < bps[cid]) & (lengths <= blk)
 
 
-__all__ = ["resolve", "Resolved", "PROBE_WINDOW"]
+__all__ = ["resolve", "leading_present", "Resolved", "PROBE_WINDOW"]

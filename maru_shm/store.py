@@ -26,7 +26,7 @@ from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_CO
                      store_u64)
 from .index import Index, digest_array, key_digest
 from .pieces import Pieces, PieceTable, piece_lengths
-from .resolve import resolve
+from .resolve import leading_present, resolve
 from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
 from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
@@ -610,24 +610,23 @@ class Store:
         return resolve(self, self._digest_batch(list(keys), digests), full=False).ok.tolist()
 
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
-        """How many keys from the start are present (with exactly `length` bytes, if given)."""
+        """How many keys from the start are present (with exactly `length` bytes, if given).
+
+        No locks; one fused pass over the home slots for a batch (resolve.leading_present).
+        A caller that expects most prefixes to miss at once asks `length_of` for the
+        first key before hashing the rest (MaruStorage.batch_exists does).
+        """
         self._check_open()
         darr = self._digest_batch(list(keys), digests)
-        if not len(darr):
-            return 0
-        first = self._lookup(darr[0].tobytes())  # prefixes often miss at once: skip the batch machinery
-        if first is None or (length is not None and first[2] != length):
-            return 0
         if len(darr) == 1:
-            return 1
-        r = resolve(self, darr, full=False)
-        ok = r.ok if length is None else r.ok & (r.lengths == length)
-        miss = np.flatnonzero(~ok)
-        return int(miss[0]) if miss.size else int(ok.size)
+            found = self._lookup(darr[0].tobytes())
+            return int(found is not None and (length is None or found[2] == length))
+        return leading_present(self, darr, length)
 
-    def length_of(self, key) -> int | None:
-        """Stored length of `key`, or None."""
-        found = self._lookup(key_digest(key))
+    def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
+        """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
+        self._check_open()
+        found = self._lookup(key_digest(key) if digest is None else bytes(digest))
         return None if found is None else found[2]
 
     # ---------------------------------------------------------------- write path

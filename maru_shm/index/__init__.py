@@ -1,6 +1,6 @@
 """Open-addressing index of KV keys, kept apart from the allocator (memcached's assoc.c)."""
 
-from .digest import digest_array, key_digest, prefixed_digests
+from .digest import digest_array, key_digest, prefixed_digest, prefixed_digests
 from .table import Index
 
-__all__ = ["Index", "key_digest", "prefixed_digests", "digest_array"]
+__all__ = ["Index", "key_digest", "prefixed_digest", "prefixed_digests", "digest_array"]

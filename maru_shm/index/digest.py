@@ -32,23 +32,46 @@ def prefixed_digests(prefix: str, keys) -> np.ndarray:
             raw = bytes.fromhex("".join(keys))
         except (ValueError, TypeError):
             raw = b""
-        if len(raw) == 32 * n:
-            return np.frombuffer(raw, dtype=np.uint8).reshape(n, 32)[:, :16] ^ salt
+        if len(raw) == 32 * n:  # one XOR over (n, 2) u64 halves: the result is contiguous, no copy later
+            return (np.frombuffer(raw, dtype="<u8").reshape(n, 4)[:, :2] ^ _salt_halves(prefix)).view(np.uint8)
     out = np.empty((n, 16), dtype=np.uint8)
     pre = prefix.encode()
     for i, k in enumerate(keys):
         try:
-            if len(k) != 64:
+            raw = bytes.fromhex(k) if len(k) == 64 else b""
+            if len(raw) != 32:  # (fromhex skips whitespace: a 64-character key may give fewer bytes)
                 raise ValueError
-            out[i] = np.frombuffer(bytes.fromhex(k), dtype=np.uint8)[:16] ^ salt
+            out[i] = np.frombuffer(raw, dtype=np.uint8)[:16] ^ salt
         except (ValueError, TypeError):
             out[i] = np.frombuffer(key_digest(pre + (k.encode() if isinstance(k, str) else bytes(k))), np.uint8)
     return out
 
 
+def prefixed_digest(prefix: str, key) -> bytes:
+    """The digest `prefixed_digests` gives one key, as 16 bytes, without numpy (a single-key probe)."""
+    if isinstance(key, str) and len(key) == 64:
+        try:
+            raw = bytes.fromhex(key)
+        except ValueError:
+            raw = b""
+        if len(raw) == 32:
+            return (int.from_bytes(raw[:16], "little") ^ _salt_int(prefix)).to_bytes(16, "little")
+    return key_digest(prefix.encode() + (key.encode() if isinstance(key, str) else bytes(key)))
+
+
 @functools.lru_cache(maxsize=64)
 def _salt(prefix: str) -> np.ndarray:
     return np.frombuffer(key_digest(prefix.encode() + b"\0hex"), dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _salt_halves(prefix: str) -> np.ndarray:
+    return _salt(prefix).view("<u8")
+
+
+@functools.lru_cache(maxsize=64)
+def _salt_int(prefix: str) -> int:
+    return int.from_bytes(_salt(prefix).tobytes(), "little")
 
 
 def digest_array(digests) -> np.ndarray:

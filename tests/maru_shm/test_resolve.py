@@ -62,3 +62,56 @@ def test_home_hits_is_a_hint_that_never_misses_a_key_at_home(pool_path, make_val
         at_home = s.index.probe(h0, h1, 1) >= 0
         assert hint[:80].tolist() == at_home.tolist() and at_home.any() and not at_home.all()
         assert not hint[80:].any()
+
+
+def test_leading_run_matches_resolve_in_a_crowded_index(pool_path, make_value):
+    """leading_hits (the fused home-slot pass of SGLang's batch_exists) counts exactly the leading keys
+    that resolve finds with the asked length: keys at home, displaced keys (a few: the scalar probe;
+    many: resolve), a miss anywhere, and a stored length that is not the one asked."""
+    with Store.open(pool_path, "16M", create=True, granule=1024, index_shards=1, index_slots=128) as s:
+        keys = [f"key-{i}" for i in range(100)]
+        for i in range(0, len(keys), 20):
+            assert all(s.batch_put(keys[i:i + 20], [make_value(k, 1, 2000) for k in keys[i:i + 20]]))
+        assert s.put("short", make_value("short", 1, 1000))
+        d = digest_array([key_digest(k) for k in keys])
+        h0, h1 = _halves(keys)
+        at_home = (s.index.probe(h0, h1, 1) >= 0).tolist()
+        assert not all(at_home) and at_home.index(False) > 0  # displaced keys after a run at home
+        assert s.leading_hits(digests=d, length=2000) == len(keys)
+        assert s.leading_hits(digests=d) == len(keys)
+        home = [i for i, h in enumerate(at_home) if h]
+        away = [i for i, h in enumerate(at_home) if not h]
+        assert len(away) > 8  # all of them: more than the scalar probe takes, resolve decides
+        assert s.leading_hits(digests=d[home], length=2000) == len(home)  # the fused pass alone
+        few = home[:30] + away[:3] + home[30:]  # a few displaced keys: the scalar probe
+        assert s.leading_hits(digests=d[few], length=2000) == len(few)
+        assert s.leading_hits(digests=np.concatenate([d[few], digest_array([key_digest("absent")])])) == len(few)
+        assert s.leading_hits(digests=d, length=1999) == 0
+        for cut in (0, 1, at_home.index(False), 57, 99):
+            ks = keys[:cut] + ["absent"] + keys[cut:]
+            assert s.leading_hits(ks, length=2000) == cut, cut
+        ks = keys[:10] + ["short"] + keys[10:]
+        assert s.leading_hits(ks, length=2000) == 10
+        assert s.leading_hits(ks) == len(ks)
+        assert s.leading_hits(["short"], length=1000) == 1 and s.length_of("short") == 1000
+        assert s.length_of(digest=key_digest("short")) == 1000 and s.length_of("absent") is None
+
+
+def test_leading_run_stops_at_a_damaged_entry(pool_path, make_value):
+    """An entry whose offset leaves the data area, or whose block word changed, ends the run there."""
+    with Store.open(pool_path, "16M", create=True, granule=1024, index_shards=4) as s:
+        keys = [f"key-{i}" for i in range(40)]
+        assert all(s.batch_put(keys, [make_value(k, 1, 2000) for k in keys]))
+        d = digest_array([key_digest(k) for k in keys])
+        h0, h1 = _halves(keys)
+        rows = s.index.probe(h0, h1, 1)
+        home = [i for i in range(len(keys)) if rows[i] >= 0]
+        i, j = home[5], home[20]
+        saved = s.index.table[rows[i]].copy()
+        s.index.table[rows[i], 3] = np.uint64(s.geo.data_bytes + 4096)
+        assert s.leading_hits(digests=d[home], length=2000) == 5
+        s.index.table[rows[i]] = saved
+        off = int(s.index.table[rows[j], 3])
+        s.alloc.meta_q[off // s.geo.granule, 0] += np.uint64(4)  # the block's word moved on (a reuse)
+        assert s.leading_hits(digests=d[home], length=2000) == 20
+        assert s.leading_hits(digests=d[home]) == 20
