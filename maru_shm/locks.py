@@ -89,6 +89,18 @@ def ofd_is_held(fd: int, lock_id: int) -> bool:
     return _FLOCK.unpack(res)[0] != _F_UNLCK
 
 
+def dense_range(ids: list[int]) -> list[int]:
+    """Sorted distinct ids, or every id from the first to the last if they are at least half of that range.
+
+    A batch that touches most index shards then takes (and releases) them with one
+    fcntl call each way, and marks their records with one slice; the few ids in between
+    that it did not need are held for as long (a dirty one is repaired, as any).
+    """
+    if len(ids) > 2 and 2 * len(ids) >= ids[-1] - ids[0] + 1:
+        return list(range(ids[0], ids[-1] + 1))
+    return ids
+
+
 class _ThreadLocks:
     """One thread's lock-file description and the lock ids it holds (dropped with the thread)."""
 
@@ -230,7 +242,7 @@ class LockTable:
 
         Runs of consecutive ids are taken with one fcntl call each (all or none),
         so a batch touching most index shards pays a handful of system calls,
-        not two per shard. Ascending order is the lock order between ids of a
+        not two per shard (one, if it asks for a whole range: `dense_range`). Ascending order is the lock order between ids of a
         family, so two batch holders never deadlock. All or nothing: on a
         timeout every lock already taken is released (clean: nothing was done
         under them yet) and LockTimeout propagates. `ordered`: the ids are already
@@ -246,8 +258,9 @@ class LockTable:
         fd, held = self._thread_fd()
         self._not_held(held, ids)
         taken: list[tuple[int, int]] = []
+        span = bool(ids) and ids[-1] - ids[0] + 1 == len(ids)  # consecutive ids (a dense batch asks for its whole range)
         try:
-            for first, n in _runs(ids):
+            for first, n in ([(ids[0], len(ids))] if span else _runs(ids)):
                 self._take_ofd(fd, first, n, deadline, timeout)
                 taken.append((first, n))
         except BaseException:
@@ -255,11 +268,16 @@ class LockTable:
                 ofd_unlock(fd, first, n)
             raise
         held.update(ids)
-        idx = np.asarray(ids, dtype=np.int64)
         recs = self._records()
-        dirty = idx[recs[idx, 0] != 0].tolist()
-        recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
-        recs[idx, 1] = 0
+        if span:  # slices, not gathers
+            a, b = ids[0], ids[-1] + 1
+            dirty = (np.flatnonzero(recs[a:b, 0]) + a).tolist()
+            recs[a:b] = (self.slot_plus1 or 0xFFFFFFFF, 0)
+        else:
+            idx = np.asarray(ids, dtype=np.int64)
+            dirty = idx[recs[idx, 0] != 0].tolist()
+            recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
+            recs[idx, 1] = 0
         if _cp.ARMED is not None:
             _cp.hit_lock(lock_name(ids[0]).partition("[")[0])
         return dirty
@@ -281,10 +299,14 @@ class LockTable:
         if len(ids) == 1:
             self.release(ids[0], clean=clean)
             return
+        span = bool(ids) and ids[-1] - ids[0] + 1 == len(ids)
         if clean:
-            self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+            if span:
+                self._records()[ids[0]:ids[-1] + 1, 0] = 0
+            else:
+                self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
         fd, held = self._thread_fd()
-        for first, n in _runs(ids):
+        for first, n in ([(ids[0], len(ids))] if span else _runs(ids)):
             ofd_unlock(fd, first, n)
         held.difference_update(ids)
 

@@ -27,7 +27,7 @@ from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_CO
 from .index import Index, digest_array, key_digest
 from .pieces import Pieces, PieceTable, piece_lengths
 from .resolve import leading_present, resolve
-from .locks import LockTable, ofd_is_held, ofd_trylock, ofd_unlock
+from .locks import LockTable, dense_range, ofd_is_held, ofd_trylock, ofd_unlock
 from .poolfile import PoolFile, open_pool_file
 from .sizes import parse_size
 
@@ -764,6 +764,13 @@ class Store:
                 gidx = offs_a // gran
                 reserved = words[gidx]
                 mine.update(zip(placed_off, reserved.tolist()))
+                # Everything the commit and the index insert need that the copy does not change is computed
+                # now, while the caches still hold it: the batch's copy is larger than they are.
+                live = (((reserved >> 2) + 1) << 2) | LIVE
+                # placed_i is in key order when one class took every key (groups list a class's keys in order)
+                ph = halves if len(groups) == 1 and len(placed_i) == n else halves[placed_i]
+                shard_arr = (ph[:, 0] & self.index.smask_u).astype(np.int64)
+                plan = (shard_arr, ph, offs_a.astype(np.uint64), self.index.home_plan(shard_arr, ph))
                 # copy, without locks: one flat loop over every piece, as a plain copy would do
                 dsts, srcs, nbs = table.scatter(placed_i, data + offs_a)
                 if armed is None:
@@ -780,14 +787,14 @@ class Store:
                     store_u64(mm, self.alloc.off_meta + gi * 32, w)  # one 8-byte store each
                 live = lives
             else:
-                live = (((reserved >> 2) + 1) << 2) | LIVE
                 words[gidx] = live
                 lives = live.tolist()
             mine.update(zip(placed_off, lives))
             if armed is not None:
                 _cp.hit("put.before_index")
             published, to_free, evicted, evicted_bytes = self._publish(
-                darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res)
+                darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res,
+                None if small else plan)
         if not all(published):
             to_free += [(off, w) for off, w, p in zip(placed_off, lives, published) if not p]
             # still owned by us until freed: a crash here is reaped
@@ -805,25 +812,27 @@ class Store:
         self.flush_counters()
         return res
 
-    def _publish(self, darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res):
+    def _publish(self, darr, placed_i, placed_off, gidx, live, lives, skip_existing, mine, res, plan=None):
         """Index every committed block of a batch under all its shard locks at once (ascending, see locks.py).
 
-        Returns (published flags, blocks to free, evictions, evicted bytes).
+        `plan` (batches): (shards, digest halves, offsets, Index.home_plan) of the placed keys, computed
+        before the copy. Returns (published flags, blocks to free, evictions, evicted bytes).
         """
         mm, index, data_end = self.mm, self.index, self.geo.data_bytes
-        small = len(placed_i) <= SMALL_BATCH
+        small = plan is None
         if small:
             shards = [index.shard_of(darr[i].tobytes()) for i in placed_i]
             order = sorted(range(len(placed_i)), key=shards.__getitem__)
         else:
-            shard_arr = (darr.view("<u8")[:, 0] & index.smask_u)[placed_i]
+            shard_arr, ph, offs_u, home = plan
             shards = shard_arr.tolist()
             order = None  # ascending shard order, needed only if some key takes the scalar path
-        published = [False] * len(placed_i)
+        npl = len(placed_i)
+        published = [False] * npl
         to_free: list[tuple[int, int]] = []
         evicted = evicted_bytes = 0
         claim = self._claim_for_free
-        with self.locks.hold_many([SHARD_LOCK_BASE + s for s in sorted(set(shards))],
+        with self.locks.hold_many(dense_range([SHARD_LOCK_BASE + s for s in sorted(set(shards))]),
                                   repair_for=self._repair_shard_lock):
             if small:  # not freed under us (we are alive: never); every key by the scalar path
                 slow = {k for k, gi in enumerate(gidx)
@@ -832,17 +841,34 @@ class Store:
                     del mine[placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
             else:
                 still = self.alloc.meta_words[gidx] == live
-                cand = np.flatnonzero(still)
-                if len(cand) == len(mine):  # mine holds exactly this batch's blocks: all of them
-                    mine.clear()
+                if still.all():  # the common case: the batch as planned
+                    cand = None
+                    if len(mine) == npl:  # mine holds exactly this batch's blocks
+                        mine.clear()
+                    else:
+                        for off in placed_off:
+                            del mine[off]
+                    fast = index.insert_absent(shard_arr, ph, live, offs_u, plan=home)
                 else:
+                    cand = np.flatnonzero(still)
                     for k in cand.tolist():
                         del mine[placed_off[k]]
-                fast = index.insert_absent(shard_arr[cand], darr.view("<u8")[placed_i][cand], live[cand],
-                                           np.array(placed_off, dtype=np.uint64)[cand])
-                for k in cand[fast].tolist():
-                    res[placed_i[k]] = published[k] = True
-                slow = set(cand[~fast].tolist())
+                    fast = index.insert_absent(shard_arr[cand], ph[cand], live[cand], offs_u[cand],
+                                               plan=(home[0][cand], home[1][cand]))
+                if cand is None and fast.all():
+                    published = [True] * npl
+                    if npl == len(res):
+                        res[:] = published
+                    else:
+                        for i in placed_i:
+                            res[i] = True
+                    slow = ()
+                else:
+                    if cand is None:
+                        cand = np.arange(npl)
+                    for k in cand[fast].tolist():
+                        res[placed_i[k]] = published[k] = True
+                    slow = set(cand[~fast].tolist())
             if slow and order is None:
                 order = np.argsort(shard_arr, kind="stable").tolist()
             for k in ([k for k in order if k in slow] if slow else ()):
@@ -888,6 +914,8 @@ class Store:
                 for k, gi in enumerate(gidx):
                     if published[k]:
                         U16.pack_into(mm, self.alloc.off_meta + gi * 32 + 28, 0)
+            elif all(published):
+                self.alloc.meta_owners[gidx] = 0
             else:
                 pub = np.flatnonzero(np.array(published, dtype=bool))
                 if len(pub):

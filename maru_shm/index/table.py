@@ -122,8 +122,20 @@ class Index:
             pos = (pos + 1) & mask
         return None, None
 
+    def home_plan(self, shards: np.ndarray, halves: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, alone) of a batch: each key's home-slot row of `table`, and whether no other key of the
+        batch has the same home slot. No lock: a writer computes it before its copy, for insert_absent."""
+        rows = shards.astype(np.int64) * self.slots + (halves[:, 1] & self.mask_u).astype(np.int64)
+        order = np.argsort(rows, kind="stable")  # keys sharing a home slot: neighbours once sorted
+        s = rows[order]
+        same = s[1:] == s[:-1]
+        alone = np.ones(len(rows), dtype=bool)
+        alone[order[1:][same]] = False
+        alone[order[:-1][same]] = False
+        return rows, alone
+
     def insert_absent(self, shards: np.ndarray, halves: np.ndarray, words: np.ndarray,
-                      offsets: np.ndarray) -> np.ndarray:
+                      offsets: np.ndarray, plan: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Insert, in one numpy pass, every key of a batch whose home slot is empty; the shard locks of all
         `shards` are held. Returns the mask of keys inserted; the caller `put`s the rest one by one.
 
@@ -133,33 +145,34 @@ class Index:
         a home slot within the batch, and every key of a shard the batch would
         push to its load limit (the caller evicts first). Digest and offset of
         all keys are written before any word, so a reader never pairs a new word
-        with a stale digest (section 8 of FORMAT.md).
+        with a stale digest (section 8 of FORMAT.md). `plan`: `home_plan` of
+        these keys (or of a batch they are a subset of, rows selected alike),
+        computed before the locks were taken.
         """
         entries = self.table
         counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
                             strides=(SHARD_HEADER,))
         try:
-            shards = shards.astype(np.int64)
-            slot = shards * self.slots + (halves[:, 1] & self.mask_u).astype(np.int64)
-            ok = entries[slot, 2] == 0
-            order = np.argsort(slot, kind="stable")  # keys sharing a home slot: neighbours once sorted
-            same = slot[order][1:] == slot[order][:-1]
-            shared = np.zeros(len(slot), dtype=bool)
-            shared[order[1:][same]] = True
-            shared[order[:-1][same]] = True
-            ok &= ~shared
+            shards = shards.astype(np.int64, copy=False)
+            slot, alone = plan if plan is not None else self.home_plan(shards, halves)
+            ok = (entries[slot, 2] == 0) & alone
             add = np.bincount(shards[ok], minlength=self.nshards)
-            ok &= (counts.astype(np.int64) + add <= self.limit)[shards]
-            if not ok.any():
+            fits = counts.astype(np.int64) + add <= self.limit
+            if not fits.all():
+                ok &= fits[shards]
+                add = np.bincount(shards[ok], minlength=self.nshards)
+            if ok.all():  # the common case: no boolean-mask copies
+                sel, h, off, w = slot, halves, offsets, words
+            elif ok.any():
+                sel, h, off, w = slot[ok], halves[ok], offsets[ok], words[ok]
+            else:
                 return ok
-            sel = slot[ok]
-            entries[sel, 0] = halves[ok, 0]
-            entries[sel, 1] = halves[ok, 1]
-            entries[sel, 3] = offsets[ok]
-            entries[sel, 2] = words[ok]  # publication: one aligned 8-byte store per entry
+            entries[sel, 0] = h[:, 0]
+            entries[sel, 1] = h[:, 1]
+            entries[sel, 3] = off
+            entries[sel, 2] = w  # publication: one aligned 8-byte store per entry
             if _cp.ARMED is not None:
                 _cp.hit("index.mid_insert")  # published, shard counts not yet raised
-            add = np.bincount(shards[ok], minlength=self.nshards)
             touched = np.flatnonzero(add)
             counts[touched] = counts[touched] + add[touched].astype(np.uint32)
             return ok

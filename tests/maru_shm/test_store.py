@@ -99,6 +99,17 @@ def test_batch_put_and_get(store):
     assert store.batch_exists(keys + ["nope"]) == [True] * 50 + [False]
 
 
+def test_batch_put_of_interleaved_sizes_indexes_every_key_under_its_own_digest(store):
+    """A batch whose keys fall into several classes is placed class by class (not in key order): every
+    key must still be published under its own digest, in its own shard."""
+    keys = [f"mixed-{i}" for i in range(40)]
+    values = [make_value(k, 1, 3000 if i % 3 else 9000) for i, k in enumerate(keys)]
+    assert store.batch_put(keys, values) == [True] * 40
+    assert all(store.get(k) == v for k, v in zip(keys, values))
+    assert store.leading_hits(keys) == 40
+    assert_clean(store)
+
+
 def test_batch_put_skip_existing(store):
     assert store.put("old", make_value("old", 1, 1000))
     res = store.batch_put(["old", "new"], [make_value("old", 2, 1000), make_value("new", 2, 1000)],
