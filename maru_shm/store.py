@@ -476,10 +476,14 @@ class Store:
         res = resolve(self, darr)
         if n <= SMALL_BATCH:
             out = self._get_scalar(res, pieces_list.tolist() if isinstance(pieces_list, np.ndarray) else pieces_list)
+            hits = sum(out)
+            nbytes = sum([length for length, o in zip(res.lengths.tolist(), out) if o])
         else:
-            out = self._get_vector(res, PieceTable.of(pieces_list, n))
-        hits = sum(out)
-        self.count(hits=hits, misses=n - hits, bytes_read=int(res.lengths[np.flatnonzero(out)].sum()) if hits else 0)
+            ok = self._get_vector(res, PieceTable.of(pieces_list, n))
+            out = ok.tolist()
+            hits = out.count(True)
+            nbytes = int(res.lengths.sum()) if hits == n else int(res.lengths[ok].sum())
+        self.count(hits=hits, misses=n - hits, bytes_read=nbytes)
         self.flush_counters()
         return out
 
@@ -508,7 +512,7 @@ class Store:
             out.append(ok)
         return out
 
-    def _get_vector(self, res, table: PieceTable) -> list[bool]:
+    def _get_vector(self, res, table: PieceTable) -> np.ndarray:
         """Copy out a batch: one flat loop over every piece of the values found with the right length, then
         one pass re-reading their block words (a word changed since the lookup means the block was reused
         during the copy: that key's bytes may be torn, and it reports False) and marking the rest used."""
@@ -524,7 +528,7 @@ class Store:
             ok[rows] = still
             self.alloc.meta_refs[gidx[still]] = 1
             self.alloc.unit_refs[offs[still] // self.geo.unit_size] = 1
-        return ok.tolist()
+        return ok
 
     def resolve(self, digests, full: bool = True):
         """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).

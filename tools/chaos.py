@@ -59,8 +59,11 @@ def worker(path: str, wid: int, nkeys: int, counters, seed: int) -> None:
             elif r < 0.82:
                 store.delete(key)
             elif r < 0.92:
-                keys = [f"k{rnd.randrange(nkeys)}" for _ in range(16)]
-                store.batch_put(keys, [make_value(k, rnd.getrandbits(40), 131072) for k in keys],
+                # 16 values of 128 KiB, or 128 of 4 KiB: a batch touching most index shards (their whole
+                # range is locked at once, locks.dense_range)
+                n, size = (16, 131072) if rnd.random() < 0.5 else (128, 4096)
+                keys = [f"k{rnd.randrange(nkeys)}" for _ in range(n)]
+                store.batch_put(keys, [make_value(k, rnd.getrandbits(40), size) for k in keys],
                                 skip_existing=rnd.random() < 0.5)
             else:
                 keys = [f"k{rnd.randrange(nkeys)}" for _ in range(16)]
@@ -69,6 +72,7 @@ def worker(path: str, wid: int, nkeys: int, counters, seed: int) -> None:
                     if n is not None and not verify(k, bytes(o[:n])):
                         counters[2 * wid + 1] += 1
                 store.batch_exists(keys)
+                store.leading_hits(keys)
         except LockTimeout:
             pass  # a lock held by a process frozen mid-kill: that call fails, the next goes on
         ops += 1
