@@ -254,6 +254,12 @@ def bench_ops(args) -> dict:
     return out
 
 
+def _paired(row: dict, name: str) -> str:
+    """Median [min-max] of the per-round ratios (ours and the peer timed back to back in each round)."""
+    p = row.get(f"{name}_paired")
+    return "n/a" if p is None else f"{p['median']:.2f} [{p['spread'][0]:.2f}-{p['spread'][1]:.2f}]"
+
+
 @scenario("datapath")
 def bench_datapath(args) -> dict:
     from .bench_sglang import datapath
@@ -382,14 +388,16 @@ def render(results: list[dict]) -> str:
                         f"datapath  {format_size(row['page_bytes'])} pages, batch_{op}_v1: {ours['gbps']:.2f} GB/s "
                         f"{ours['pages_per_s']:,.0f} pages/s [{ours['spread_gbps'][0]:.2f}-{ours['spread_gbps'][1]:.2f}]; "
                         f"copy limit {lim['gbps']:.2f} GB/s -> x{row[f'{op}_vs_limit']:.2f} (rotating "
-                        f"destination {row[f'cold_limit_{op}']['gbps']:.2f} GB/s -> x{row[f'{op}_vs_cold_limit']:.2f}); "
+                        f"destination {row[f'cold_limit_{op}']['gbps']:.2f} GB/s -> x{row[f'{op}_vs_cold_limit']:.2f}, "
+                        f"per round x{_paired(row, f'{op}_vs_cold_limit')}); "
                         f"HiCacheFile "
                         f"{fil['pages_per_s']:,.0f} pages/s -> x{row[f'{op}_vs_file']:.1f}")
                 full = row["set_full"]
                 lines.append(
                     f"datapath  {format_size(row['page_bytes'])} pages, batch_set_v1 into a full pool (each batch "
                     f"evicts): {full['gbps']:.2f} GB/s [{full['spread_gbps'][0]:.2f}-{full['spread_gbps'][1]:.2f}]; "
-                    f"x{row['set_full_vs_limit']:.2f} of the copy limit (rotating x{row['set_full_vs_cold_limit']:.2f})")
+                    f"x{row['set_full_vs_limit']:.2f} of the copy limit (rotating x{row['set_full_vs_cold_limit']:.2f}, "
+                    f"per round x{_paired(row, 'set_full_vs_cold_limit')})")
         elif r["scenario"] == "lookup":
             for case in ("all_hits", "first_miss"):
                 lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "

@@ -236,6 +236,13 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
         out[f"{op}_vs_limit"] = out[f"limit_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_cold_limit"] = out[f"cold_limit_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_file"] = out[f"file_{op}"]["seconds"] / out[op]["seconds"]
+    # Per-round ratios: each round times ours and the limit back to back, so a slow phase of a shared
+    # machine slows both; the median of these pairs moves less between runs than the ratio of medians.
+    for name, ours, peer in (("set_vs_cold_limit", "set", "cold_limit_set"), ("get_vs_cold_limit", "get", "cold_limit_get"),
+                             ("set_full_vs_cold_limit", "set_full", "cold_limit_set")):
+        pairs = [p / o for p, o in zip(t[peer], t[ours])]
+        med, lo, hi = _median(pairs)
+        out[f"{name}_paired"] = {"median": med, "spread": [lo, hi]}
     return out
 
 
