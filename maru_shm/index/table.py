@@ -17,6 +17,7 @@ from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geom
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 ABSENT, UNDECIDED = -1, -2  # Index.probe: an empty slot ended the probe / the window ended it
+INSERT_WINDOW = 8  # insert_absent: slots after an occupied home slot searched for an empty one
 
 
 
@@ -136,18 +137,22 @@ class Index:
 
     def insert_absent(self, shards: np.ndarray, halves: np.ndarray, words: np.ndarray,
                       offsets: np.ndarray, plan: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Insert, in one numpy pass, every key of a batch whose home slot is empty; the shard locks of all
-        `shards` are held. Returns the mask of keys inserted; the caller `put`s the rest one by one.
+        """Insert, in one numpy pass, every key of a batch that is provably absent and has a slot of its own;
+        the shard locks of all `shards` are held. Returns the mask of keys inserted; the caller `put`s the
+        rest one by one.
 
-        An empty home slot proves the key absent (linear probing with backward-shift
-        deletion keeps every entry's probe path from its home slot unbroken), so
-        these need no probe and replace nothing. Left to the caller: keys sharing
-        a home slot within the batch, and every key of a shard the batch would
-        push to its load limit (the caller evicts first). Digest and offset of
-        all keys are written before any word, so a reader never pairs a new word
-        with a stale digest (section 8 of FORMAT.md). `plan`: `home_plan` of
-        these keys (or of a batch they are a subset of, rows selected alike),
-        computed before the locks were taken.
+        A key's slot is its home slot if that is empty, or else the first empty slot within
+        INSERT_WINDOW slots after it, if no slot before that one holds the key. Either proves the
+        key absent (linear probing with backward-shift deletion keeps every entry's probe path from
+        its home slot unbroken), so these need no further probe and replace nothing; and the slot
+        is where `put` would have placed it. Keys that name the same slot (a shared home, or one
+        key's first empty slot being another's home) are all left to the caller, so inserting one
+        never moves another's first empty slot. Also left to the caller: keys sharing a home slot
+        within the batch, keys found in the window (a replace), keys with no empty slot in it, and
+        every key of a shard the batch would push to its load limit (the caller evicts first).
+        Digest and offset of all keys are written before any word, so a reader never pairs a new
+        word with a stale digest (section 8 of FORMAT.md). `plan`: `home_plan` of these keys (or of
+        a batch they are a subset of, rows selected alike), computed before the locks were taken.
         """
         entries = self.table
         counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
@@ -155,16 +160,39 @@ class Index:
         try:
             shards = shards.astype(np.int64, copy=False)
             slot, alone = plan if plan is not None else self.home_plan(shards, halves)
-            ok = (entries[slot, 2] == 0) & alone
+            home_empty = entries[slot, 2] == 0
+            ok = home_empty & alone
+            target = slot
+            away = np.flatnonzero(~home_empty & alone)
+            if away.size:  # home taken: the first empty slot after it, unless the key comes first
+                target = slot.copy()
+                h = halves[away]
+                steps = np.arange(INSERT_WINDOW + 1, dtype=np.int64)  # 0: the home slot itself
+                r = (shards[away] * self.slots)[:, None] \
+                    + (((h[:, 1] & self.mask_u).astype(np.int64)[:, None] + steps) & self.mask)
+                e = entries[r]
+                empty = e[:, :, 2] == 0
+                stop = empty | ((e[:, :, 0] == h[:, :1]) & (e[:, :, 1] == h[:, 1:]))
+                first = stop.argmax(axis=1)
+                at = np.arange(away.size)
+                free = empty[at, first]  # the key met an empty slot before any slot holding it
+                target[away[free]] = r[at, first][free]
+                ok[away[free]] = True
+                order = np.argsort(target, kind="stable")  # two keys naming one slot: both to the caller
+                t = target[order]
+                same = (t[1:] == t[:-1]) & ok[order[1:]] & ok[order[:-1]]
+                if same.any():
+                    ok[order[1:][same]] = False
+                    ok[order[:-1][same]] = False
             add = np.bincount(shards[ok], minlength=self.nshards)
             fits = counts.astype(np.int64) + add <= self.limit
             if not fits.all():
                 ok &= fits[shards]
                 add = np.bincount(shards[ok], minlength=self.nshards)
             if ok.all():  # the common case: no boolean-mask copies
-                sel, h, off, w = slot, halves, offsets, words
+                sel, h, off, w = target, halves, offsets, words
             elif ok.any():
-                sel, h, off, w = slot[ok], halves[ok], offsets[ok], words[ok]
+                sel, h, off, w = target[ok], halves[ok], offsets[ok], words[ok]
             else:
                 return ok
             entries[sel, 0] = h[:, 0]

@@ -236,17 +236,43 @@ def test_insert_absent_takes_empty_homes_and_leaves_the_rest():
     idx = make_index(32)
     occupied = dig(100, 3)
     idx.put(0, occupied, 4, 0)
-    ds = [dig(1, 5), dig(2, 3), dig(3, 9), dig(4, 9), dig(5, 20)]  # home 3 taken; two keys share home 9
-    words, offs = [8, 12, 16, 20, 24], [4096, 8192, 12288, 16384, 20480]
+    idx.put(0, dig(101, 12), 4, 0)
+    idx.put(0, dig(102, 13), 4, 0)
+    # home 3 taken (the key goes to 4); two keys share home 9; home 12 taken and its first empty slot,
+    # 14, is another key's home (both to the caller)
+    ds = [dig(1, 5), dig(2, 3), dig(3, 9), dig(4, 9), dig(5, 20), dig(6, 12), dig(7, 14)]
+    words, offs = [8, 12, 16, 20, 24, 28, 32], [4096, 8192, 12288, 16384, 20480, 24576, 28672]
     ok = idx.insert_absent(*_batch(ds, words, offs, idx)).tolist()
-    assert ok == [True, False, False, False, True]
-    assert idx.find(ds[0]) == (8, 4096) and idx.find(ds[4]) == (24, 20480)
-    assert idx.count(0) == 3
+    assert ok == [True, True, False, False, True, False, False]
+    assert idx.find(ds[0]) == (8, 4096) and idx.find(ds[4]) == (24, 20480) and idx.find(ds[1]) == (12, 8192)
+    assert idx.count(0) == 6
     for d, w, o, done in zip(ds, words, offs, ok):  # the caller puts the rest one by one
         if not done:
             idx.put(0, d, w, o)
-    model = {occupied: (4, 0), **{d: (w, o) for d, w, o in zip(ds, words, offs)}}
+    model = {occupied: (4, 0), dig(101, 12): (4, 0), dig(102, 13): (4, 0),
+             **{d: (w, o) for d, w, o in zip(ds, words, offs)}}
     assert_consistent(idx, model)
+
+
+def test_insert_absent_puts_a_displaced_key_where_put_would():
+    """A key whose home slot is taken goes to the first empty slot after it, within the window; a key
+    already present further along, or with no empty slot in the window, is left to the caller."""
+    idx = make_index(32)
+    for j in range(6):
+        idx.put(0, dig(200 + j, 10), 4, j)  # a cluster at slots 10..15
+    ds = [dig(1, 10), dig(2, 12)]
+    assert idx.insert_absent(*_batch(ds, [8, 12], [1, 2], idx)).tolist() == [False, False]  # both name slot 16
+    present = [dig(200, 10), dig(203, 10)]  # at its home slot; three slots after it
+    assert idx.insert_absent(*_batch(present[1:], [16], [3], idx)).tolist() == [False]
+    assert idx.insert_absent(*_batch(present[:1], [16], [3], idx)).tolist() == [False]
+    assert idx.find(present[1]) == (4, 3) and idx.count(0) == 6
+    ok = idx.insert_absent(*_batch(ds[:1], [8], [1], idx)).tolist()
+    assert ok == [True] and idx.find(ds[0]) == (8, 1)
+    ok = idx.insert_absent(*_batch(ds[1:2], [12], [2], idx)).tolist()
+    assert ok == [True] and idx.find(ds[1]) == (12, 2)
+    for j in range(9):
+        idx.put(0, dig(300 + j, 20), 4, j)  # slots 20..28: the home slot and all INSERT_WINDOW after it
+    assert idx.insert_absent(*_batch([dig(3, 20)], [20], [3], idx)).tolist() == [False]
 
 
 def test_insert_absent_never_pushes_a_shard_past_its_load_limit():
