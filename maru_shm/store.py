@@ -360,7 +360,8 @@ class Store:
         `Index.remove_many` pass."""
         index = self.index
         shards = (halves[:, 0] & index.smask_u).astype(np.int64)
-        with self.locks.hold_many((shards + SHARD_LOCK_BASE).tolist(), repair_for=self._repair_shard_lock):
+        ids = dense_range(sorted(set((shards + SHARD_LOCK_BASE).tolist())))
+        with self.locks.hold_many(ids, repair_for=self._repair_shard_lock):
             if len(offsets) > SMALL_BATCH:
                 out = index.remove_many(halves, offsets, words)
                 if out.any() and _cp.ARMED is not None:
