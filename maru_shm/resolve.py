@@ -97,8 +97,8 @@ def leading_present(store, digests: np.ndarray, length: int | None = None) -> in
     """
     n = len(digests)
     g = store.geo
-    if not n or (length is not None and not 0 <= length <= g.data_bytes):
-        return 0
+    if not n or (length is not None and not 0 <= length <= min(g.data_bytes, 0xFFFFFFFF)):
+        return 0  # (a block meta holds a u32 length: a longer value is never stored)
     halves = digests.view("<u8")
     idx = store.index
     e = idx.table[idx.home_slots(halves[:, 0], halves[:, 1])]

@@ -178,9 +178,12 @@ class Index:
                 free = empty[at, first]  # the key met an empty slot before any slot holding it
                 target[away[free]] = r[at, first][free]
                 ok[away[free]] = True
-                order = np.argsort(target, kind="stable")  # two keys naming one slot: both to the caller
+                # Two keys to be inserted naming one slot: both to the caller. Only those keys are compared:
+                # a key left out anyway (sharing its home) may sort between them and hide the pair.
+                cand = np.flatnonzero(ok)
+                order = cand[np.argsort(target[cand], kind="stable")]
                 t = target[order]
-                same = (t[1:] == t[:-1]) & ok[order[1:]] & ok[order[:-1]]
+                same = t[1:] == t[:-1]
                 if same.any():
                     ok[order[1:][same]] = False
                     ok[order[:-1][same]] = False
