@@ -72,8 +72,15 @@ def ofd_unlock(fd: int, lock_id: int, n: int = 1) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_UNLCK, lock_id, n))
 
 
+def _is_span(ids) -> bool:
+    """Are these sorted distinct ids consecutive (one run, its records one slice)?"""
+    return bool(ids) and ids[-1] - ids[0] + 1 == len(ids)
+
+
 def _runs(ids) -> list[tuple[int, int]]:
     """Sorted distinct lock ids as (first, count) runs of consecutive ids."""
+    if _is_span(ids):  # a dense batch's whole range (dense_range): no pass over the ids
+        return [(ids[0], len(ids))]
     runs: list[list[int]] = []
     for i in ids:
         if runs and i == runs[-1][0] + runs[-1][1]:
@@ -89,13 +96,14 @@ def ofd_is_held(fd: int, lock_id: int) -> bool:
     return _FLOCK.unpack(res)[0] != _F_UNLCK
 
 
-def dense_range(ids: list[int]) -> list[int]:
-    """Sorted distinct ids, or every id from the first to the last if they are at least half of that range.
+def dense_range(ids) -> list[int]:
+    """The ids sorted and distinct, or every id from the first to the last if they are at least half of that range.
 
     A batch that touches most index shards then takes (and releases) them with one
     fcntl call each way, and marks their records with one slice; the few ids in between
     that it did not need are held for as long (a dirty one is repaired, as any).
     """
+    ids = sorted(set(ids))
     if len(ids) > 2 and 2 * len(ids) >= ids[-1] - ids[0] + 1:
         return list(range(ids[0], ids[-1] + 1))
     return ids
@@ -258,9 +266,8 @@ class LockTable:
         fd, held = self._thread_fd()
         self._not_held(held, ids)
         taken: list[tuple[int, int]] = []
-        span = bool(ids) and ids[-1] - ids[0] + 1 == len(ids)  # consecutive ids (a dense batch asks for its whole range)
         try:
-            for first, n in ([(ids[0], len(ids))] if span else _runs(ids)):
+            for first, n in _runs(ids):
                 self._take_ofd(fd, first, n, deadline, timeout)
                 taken.append((first, n))
         except BaseException:
@@ -269,7 +276,7 @@ class LockTable:
             raise
         held.update(ids)
         recs = self._records()
-        if span:  # slices, not gathers
+        if _is_span(ids):  # slices, not gathers
             a, b = ids[0], ids[-1] + 1
             dirty = (np.flatnonzero(recs[a:b, 0]) + a).tolist()
             recs[a:b] = (self.slot_plus1 or 0xFFFFFFFF, 0)
@@ -299,14 +306,13 @@ class LockTable:
         if len(ids) == 1:
             self.release(ids[0], clean=clean)
             return
-        span = bool(ids) and ids[-1] - ids[0] + 1 == len(ids)
         if clean:
-            if span:
+            if _is_span(ids):
                 self._records()[ids[0]:ids[-1] + 1, 0] = 0
             else:
                 self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
         fd, held = self._thread_fd()
-        for first, n in ([(ids[0], len(ids))] if span else _runs(ids)):
+        for first, n in _runs(ids):
             ofd_unlock(fd, first, n)
         held.difference_update(ids)
 

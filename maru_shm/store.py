@@ -360,8 +360,8 @@ class Store:
         `Index.remove_many` pass."""
         index = self.index
         shards = (halves[:, 0] & index.smask_u).astype(np.int64)
-        ids = dense_range(sorted(set((shards + SHARD_LOCK_BASE).tolist())))
-        with self.locks.hold_many(ids, repair_for=self._repair_shard_lock):
+        with self.locks.hold_many(dense_range((shards + SHARD_LOCK_BASE).tolist()),
+                                  repair_for=self._repair_shard_lock):
             if len(offsets) > SMALL_BATCH:
                 out = index.remove_many(halves, offsets, words)
                 if out.any() and _cp.ARMED is not None:
@@ -837,7 +837,7 @@ class Store:
         to_free: list[tuple[int, int]] = []
         evicted = evicted_bytes = 0
         claim = self._claim_for_free
-        with self.locks.hold_many(dense_range([SHARD_LOCK_BASE + s for s in sorted(set(shards))]),
+        with self.locks.hold_many(dense_range([SHARD_LOCK_BASE + s for s in shards]),
                                   repair_for=self._repair_shard_lock):
             if small:  # not freed under us (we are alive: never); every key by the scalar path
                 slow = {k for k, gi in enumerate(gidx)

@@ -26,7 +26,6 @@ def key_digest(key) -> bytes:
 def prefixed_digests(prefix: str, keys) -> np.ndarray:
     """Digests of `prefix + key` for each key, as an (n, 16) uint8 array (see the module docstring)."""
     n = len(keys)
-    salt = _salt(prefix)
     if n and set(map(len, keys)) == {64}:  # equal lengths: the joined batch cannot realign
         try:
             raw = bytes.fromhex("".join(keys))
@@ -34,17 +33,8 @@ def prefixed_digests(prefix: str, keys) -> np.ndarray:
             raw = b""
         if len(raw) == 32 * n:  # one XOR over (n, 2) u64 halves: the result is contiguous, no copy later
             return (np.frombuffer(raw, dtype="<u8").reshape(n, 4)[:, :2] ^ _salt_halves(prefix)).view(np.uint8)
-    out = np.empty((n, 16), dtype=np.uint8)
-    pre = prefix.encode()
-    for i, k in enumerate(keys):
-        try:
-            raw = bytes.fromhex(k) if len(k) == 64 else b""
-            if len(raw) != 32:  # (fromhex skips whitespace: a 64-character key may give fewer bytes)
-                raise ValueError
-            out[i] = np.frombuffer(raw, dtype=np.uint8)[:16] ^ salt
-        except (ValueError, TypeError):
-            out[i] = np.frombuffer(key_digest(pre + (k.encode() if isinstance(k, str) else bytes(k))), np.uint8)
-    return out
+    # otherwise key by key, by the one rule for a single key
+    return np.frombuffer(bytearray(b"".join([prefixed_digest(prefix, k) for k in keys])), dtype=np.uint8).reshape(n, 16)
 
 
 def prefixed_digest(prefix: str, key) -> bytes:
@@ -54,7 +44,7 @@ def prefixed_digest(prefix: str, key) -> bytes:
             raw = bytes.fromhex(key)
         except ValueError:
             raw = b""
-        if len(raw) == 32:
+        if len(raw) == 32:  # (fromhex skips whitespace: a 64-character key may give fewer bytes)
             return (int.from_bytes(raw[:16], "little") ^ _salt_int(prefix)).to_bytes(16, "little")
     return key_digest(prefix.encode() + (key.encode() if isinstance(key, str) else bytes(key)))
 
