@@ -75,13 +75,11 @@ class MaruStorage(HiCacheStorage):
     def _open_store(self) -> Store:
         c = self.config
         try:
-            if os.path.exists(c.path):
-                store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
-            else:
-                try:
-                    store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode)
-                except SizeMismatchError:
-                    store = Store.open(c.path, timeout=c.timeout_s, mode=c.mode)
+            # create=True also attaches to a ready pool, and formats again one whose creator died mid-format
+            try:
+                store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode)
+            except SizeMismatchError:
+                store = Store.open(c.path, create=True, timeout=c.timeout_s, mode=c.mode)
         except StoreError as e:
             raise RuntimeError(f"MaruStorage: cannot open pool {c.path}: {e}") from e
         if store.geo.file_size != c.pool_size and not store.created:

@@ -204,14 +204,20 @@ class Geometry:
                 p <<= 1
             return p
 
-        # Largest n_units whose layout fits; per-unit cost bounds the first guess.
+        def fits(n_units: int) -> bool:
+            return layout(n_units, slots_for(n_units))[5] + n_units * unit_size <= file_size
+
+        # Largest n_units whose layout fits: the per-unit cost bounds it from above, and fits() is monotone,
+        # so a binary search finds it in O(log n) layouts whatever the size.
         per_unit = unit_size + SLAB_ENTRY + unit_size // granule * META_SIZE
-        n_units = max(0, file_size // per_unit)
-        while n_units > 0:
-            lay = layout(n_units, slots_for(n_units))
-            if lay[5] + n_units * unit_size <= file_size:
-                break
-            n_units -= 1
+        lo, hi = 0, max(0, file_size // per_unit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        n_units = lo
         if n_units <= 0:
             raise ValueError(f"a pool of {file_size} bytes cannot hold one {unit_size}-byte unit plus its header")
         if max_value > n_units * unit_size:

@@ -65,25 +65,49 @@ class PoolFile:
             os.close(self.fd)
 
 
-def _check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool) -> None:
-    """Who may attach (docs/FORMAT.md section 12): the file's owner; a member of the file's group when the
-    pool is in group mode (group read-write, nothing for others); anyone who passes allow_foreign_owner."""
+def is_private(mode: int) -> bool:
+    """A private opener (no group bits in its mode) trusts only a pool that no one else can write."""
+    return not mode & 0o070
+
+
+def check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool, mode: int = 0o600) -> None:
+    """Who may attach (docs/FORMAT.md section 12).
+
+    A private opener (mode 0600): only a file it owns that neither its group nor others may write.
+    A group opener (0660/0640): the file's owner; or a member of the file's group when the file is in
+    group mode (group read-write, nothing for others). allow_foreign_owner=True accepts anything the
+    kernel lets us open.
+    """
     euid = os.geteuid()
-    if allow_foreign_owner or st.st_uid == euid:
+    if allow_foreign_owner:
         return
-    mode = stat.S_IMODE(st.st_mode)
+    fmode = stat.S_IMODE(st.st_mode)
     override = "pass allow_foreign_owner=True to override"
-    if mode & 0o060 != 0o060:
+    if is_private(mode):
+        if st.st_uid != euid:
+            raise PermissionDeniedError(
+                f"{path} is owned by uid {st.st_uid}, not by this user ({euid}), and this opener asked for a "
+                f"private pool (mode {mode:04o}); refusing to share memory with another user (open it with "
+                f"mode=0o660 to join a group-mode pool, or {override})")
+        if fmode & 0o022:
+            raise PermissionDeniedError(
+                f"{path} is writable by {'others' if fmode & 0o002 else 'its group'} (mode {fmode:04o}) but this "
+                f"opener asked for a private pool (mode {mode:04o}); open it with mode=0o660 to share it with "
+                f"the group, or chmod 0600 it ({override})")
+        return
+    if st.st_uid == euid and not fmode & 0o002:
+        return
+    if fmode & 0o007:
+        raise PermissionDeniedError(
+            f"{path} is owned by uid {st.st_uid} and open to every user (mode {fmode:04o}): anyone could have "
+            f"written it; refusing to attach (make it 0660, or {override})")
+    if fmode & 0o060 != 0o060:
         raise PermissionDeniedError(
             f"{path} is owned by uid {st.st_uid}, not by this user ({euid}), and is not in group mode "
-            f"(mode {mode:04o}, not 0660); refusing to share memory with another user ({override})")
-    if mode & 0o007:
-        raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid} and open to every user (mode {mode:04o}): anyone could have "
-            f"written it; refusing to attach (make it 0660, or {override})")
+            f"(mode {fmode:04o}, not 0660); refusing to share memory with another user ({override})")
     if st.st_gid not in {os.getegid(), *os.getgroups()}:
         raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid} and shared with group {st.st_gid} (mode {mode:04o}), which "
+            f"{path} is owned by uid {st.st_uid} and shared with group {st.st_gid} (mode {fmode:04o}), which "
             f"this user ({euid}) is not in; refusing to attach ({override})")
 
 
@@ -96,15 +120,28 @@ def check_mode(mode: int) -> None:
             "group); a pool open to every user could be written by anyone")
 
 
-def open_side_lock(path: str, mode: int) -> int:
-    """The lock file of a DAX device (created with the pool's mode; a symlink there is refused)."""
+def open_side_lock(path: str, mode: int, allow_foreign_owner: bool = False) -> int:
+    """The lock file of a DAX device: created with the pool's mode, and held to the pool's owner rules.
+
+    Whoever can write it can hold INIT or PROC forever, so a lock file that is a symlink, not a regular
+    file, or owned by a user this opener would not share the pool with is refused (FORMAT.md section 12).
+    """
     lock_path = side_lock_path(path)
     try:
-        return os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as e:
         if os.path.islink(lock_path):
             raise PermissionDeniedError(f"lock file {lock_path} of {path} is a symlink; refusing it") from None
         raise PermissionDeniedError(f"cannot open the lock file {lock_path} of {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionDeniedError(f"lock file {lock_path} of {path} is not a regular file; refusing it")
+        check_owner(st, f"lock file {lock_path} of {path}", allow_foreign_owner, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
@@ -114,22 +151,38 @@ def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
             return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
         except FileExistsError:
             pass
+        except OSError as e:
+            _raise_open_error(path, e, "")
     return open_existing(path, flags, missing_hint="; create it with Store.open(path, size=..., create=True) "
                                                    "or `maru-shm create`"), False
 
 
 def open_existing(path: str, flags: int, missing_hint: str = "") -> int:
-    """os.open of an existing pool, turning OS errors into StoreError subclasses that name the problem."""
+    """os.open of an existing pool, turning OS errors into StoreError subclasses that name the problem.
+
+    O_NONBLOCK: opening a FIFO read-only would wait for a writer forever; the caller refuses anything
+    that is neither a regular file nor a character device right after (O_NONBLOCK changes nothing for
+    the reads and mappings of those).
+    """
     try:
-        return os.open(path, flags)
-    except FileNotFoundError:
-        raise StoreError(f"{path} does not exist{missing_hint}") from None
+        return os.open(path, flags | os.O_NONBLOCK)
     except OSError as e:
-        if e.errno == errno.ELOOP or os.path.islink(path):  # O_NOFOLLOW met a symlink (even one swapped in late)
-            raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
-        if e.errno in (errno.EACCES, errno.EPERM):
-            raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
-        raise StoreError(f"cannot open {path}: {e.strerror}") from None
+        _raise_open_error(path, e, missing_hint)
+
+
+def _raise_open_error(path: str, e: OSError, missing_hint: str):
+    if not path:
+        raise StoreError("the pool path is empty; give a file path such as /dev/shm/maru_shm") from None
+    if e.errno == errno.ENOENT:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise StoreError(f"cannot open {path}: directory {parent} does not exist") from None
+        raise StoreError(f"{path} does not exist{missing_hint}") from None
+    if e.errno == errno.ELOOP or os.path.islink(path):  # O_NOFOLLOW met a symlink (even one swapped in late)
+        raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path") from None
+    if e.errno in (errno.EACCES, errno.EPERM):
+        raise PermissionDeniedError(f"cannot open {path}: {e.strerror}") from None
+    raise StoreError(f"cannot open {path}: {e.strerror}") from None
 
 
 def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, timeout: float,
@@ -147,9 +200,11 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         is_device = stat.S_ISCHR(st.st_mode)
         if not is_device and not stat.S_ISREG(st.st_mode):
             raise NotAPoolError(f"{path} is neither a regular file nor a DAX device")
-        _check_owner(st, path, allow_foreign_owner)
         if is_device:
-            lock_fd = open_side_lock(path, mode)
+            dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
+        check_owner(st, path, allow_foreign_owner, mode)
+        if is_device:
+            lock_fd = open_side_lock(path, mode, allow_foreign_owner)
         if created and mode & 0o077:
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
         deadline = time.monotonic() + timeout
@@ -198,7 +253,13 @@ def _take_init_lock(fd: int, path: str, timeout: float) -> None:
 
 def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, create: bool,
                         plan_kwargs: dict) -> Geometry:
-    """Holding INIT: read a ready pool, or initialise an empty/unfinished one if `create`."""
+    """Holding INIT: read a ready pool, or initialise an empty/unfinished one if `create`.
+
+    A creator formats while holding INIT, so a header of ours that is not READY, seen under INIT, was
+    left by a creator that died (or failed) while formatting: the next create=True opener formats it
+    again. A regular file is formatted only if it is empty or such a header; a DAX device (never empty)
+    also when its first page is all zero. Anything else is someone's data and is refused.
+    """
     actual = dax_size(path) if is_device else os.fstat(fd).st_size
     head = os.pread(fd, min(actual, SUPERBLOCK_SIZE), 0) if actual else b""
     ready = len(head) >= STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
@@ -209,33 +270,76 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
                 f"{path} is an existing pool of {geo.file_size} bytes, but size={size} was asked for; "
                 "omit size to open it as it is, or destroy and recreate it")
         return geo
-    # Ours to (re)initialise only if empty, all zero where we looked, or our own unfinished header.
-    uninitialised = actual == 0 or not any(head) or head[:8] == MAGIC
+    unfinished = head[:8] == MAGIC
+    formattable = actual == 0 or unfinished or (is_device and not any(head))
     if not create:
-        if actual == 0 or uninitialised:
-            raise _NotReady(f"{path} is not an initialised maru-shm pool (its creator did not finish); "
-                                "open it with create=True to initialise it")
+        if actual == 0:
+            raise _NotReady(f"{path} is an empty file, not an initialised maru-shm pool; open it with "
+                            "create=True and a size to make it one")
+        if unfinished:
+            raise NotAPoolError(f"{path} is a maru-shm pool whose creator died while formatting it; open it "
+                                "with create=True (as MaruStorage does) to format it again")
         raise NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to touch it")
-    if not uninitialised:
-        raise NotAPoolError(f"{path} exists and is not a maru-shm pool (wrong magic); refusing to overwrite it")
+    if not formattable:
+        what = "is not empty" if not any(head) else "is not a maru-shm pool (wrong magic)"
+        raise NotAPoolError(f"{path} exists and {what}; refusing to overwrite it (only an empty file or a "
+                            "pool whose creator died while formatting it is formatted)")
     if is_device:
         file_size = actual
         plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE)
     else:
         if size is None:
-            if actual == 0:
-                raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
-            size = actual
+            raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
         file_size = size
+        check_space(fd, path, file_size)
     try:
         geo = Geometry.plan(file_size, **plan_kwargs)
     except ValueError as e:
         raise StoreError(f"cannot create a pool at {path}: {e}") from None
     if not is_device:
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, file_size)
+        _size_regular_file(fd, path, file_size)
     _write_header(fd, geo, is_device)
     return geo
+
+
+def free_space(fd: int) -> int:
+    """Bytes an unprivileged writer may still allocate on the file system holding fd."""
+    st = os.fstatvfs(fd)
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(fd: int, path: str, file_size: int) -> None:
+    """Refuse, before touching the file, a size its file system cannot back (a tmpfs smaller than the
+    pool would otherwise deliver SIGBUS at the first write to an unbacked page)."""
+    have = free_space(fd) + os.fstat(fd).st_blocks * 512  # blocks this file already holds are reusable
+    if file_size > have:
+        raise StoreError(f"cannot create a pool of {_human(file_size)} at {path}: its file system has "
+                         f"{_human(have)} free; give a smaller size or make room (a tmpfs such as /dev/shm "
+                         "can be remounted larger: mount -o remount,size=... /dev/shm)")
+
+
+def _size_regular_file(fd: int, path: str, file_size: int) -> None:
+    """Magic first, then every page of the file allocated (posix_fallocate), so that no later store to
+    the mapping can meet an unbacked page. A creator killed in between leaves an empty file or our own
+    unfinished header; ENOSPC truncates the file back to empty and is reported with the free space."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, MAGIC, 0)
+    try:
+        os.posix_fallocate(fd, 0, file_size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: size it sparse
+            os.ftruncate(fd, file_size)
+            return
+        os.ftruncate(fd, 0)
+        if e.errno == errno.ENOSPC:
+            raise StoreError(f"cannot create a pool of {_human(file_size)} at {path}: its file system ran out of "
+                             f"space ({_human(free_space(fd))} free); give a smaller size or make room") from None
+        raise StoreError(f"cannot allocate {_human(file_size)} for {path}: {e.strerror}") from None
+
+
+def _human(n: int) -> str:
+    from .sizes import format_size
+    return format_size(n)
 
 
 def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:

@@ -135,3 +135,23 @@ def test_legacy_and_v1_instances_never_exchange_pages_in_another_byte_order(make
     got = page_bytes(vhost, dst)
     for i in range(2):
         assert not loaded[i] or got[i] == want[i], f"page {i} loaded in the wrong byte order"
+
+
+def test_a_pool_whose_creator_died_mid_format_is_formatted_again_on_restart(pool_path, make_instance):
+    """An instance killed while creating the pool (crash point init.mid_header) must not stop every
+    restart: MaruStorage opens with create=True, which formats a dead creator's unfinished header."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, MARU_SHM_CRASH_AT="init.mid_header")
+    p = subprocess.run([sys.executable, "-c", "import sys; from maru_shm import Store; "
+                        "Store.open(sys.argv[1], '64M', create=True)", pool_path], env=env, timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    with open(pool_path, "rb") as f:
+        assert f.read(8) == b"MARUSHM\0"  # our own unfinished header is left behind
+    host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=4)
+    hh.fill_random(host, seed=3)
+    keys = prompt_keys(4, "after-restart")
+    assert backend.batch_set_v1(keys, page_indices(host, 0, 4)) == [True] * 4
+    assert backend.batch_exists(keys) == 4

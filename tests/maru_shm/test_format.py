@@ -375,3 +375,84 @@ def test_word_store_is_never_seen_torn_by_another_process(pool_path, children):
     for x in (fd, r, w):
         os.close(x)
     assert seen <= {a, b}, sorted(hex(x) for x in seen - {a, b})[:5]
+
+
+# ---------------------------------------------------------------- what create=True may format
+
+def test_create_refuses_a_file_that_is_not_empty_even_if_it_starts_with_zeros(pool_path):
+    """A sparse file or a disk image whose first 4 KiB are zero is somebody's data, not a pool to format."""
+    data = bytes(8192) + b"user data" * 100
+    with open(pool_path, "wb") as f:
+        f.write(data)
+    os.chmod(pool_path, 0o600)
+    with pytest.raises(NotAPoolError, match="not empty"):
+        Store.open(pool_path, "4M", create=True)
+    with open(pool_path, "rb") as f:
+        assert f.read() == data  # untouched
+
+
+def test_create_formats_an_empty_file(pool_path):
+    open(pool_path, "wb").close()
+    os.chmod(pool_path, 0o600)
+    with Store.open(pool_path, "4M", create=True) as s:
+        assert s.put("k", b"v") and s.get("k") == b"v"
+
+
+def test_open_without_create_names_a_dead_creators_unfinished_pool(pool_path):
+    with open(pool_path, "wb") as f:
+        f.write(b"MARUSHM\0" + bytes(100))
+    os.chmod(pool_path, 0o600)
+    with pytest.raises(NotAPoolError, match="creator died.*create=True"):
+        Store.open(pool_path, timeout=0.2)
+    with Store.open(pool_path, "4M", create=True) as s:  # under INIT nobody is formatting it: format again
+        assert s.put("k", b"v")
+
+
+@pytest.mark.parametrize("size", ["100T", "100000T"])
+def test_a_size_no_file_system_here_can_back_is_refused_quickly(pool_path, size):
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="free"):
+        Store.open(pool_path, size, create=True)
+    assert time.monotonic() - t0 < 10
+    assert not os.path.exists(pool_path)  # nothing left behind to break later opens
+
+
+def test_planning_an_absurd_size_does_not_spin():
+    t0 = time.monotonic()
+    g = Geometry.plan(100000 << 40)
+    assert g.n_units > 0 and time.monotonic() - t0 < 1
+    for size in (4 << 20, 5 << 20, 123_456_789, 1 << 30):  # the search finds the largest unit count that fits
+        g = Geometry.plan(size)
+        assert g.off_data + g.n_units * g.unit_size <= size
+        assert size - (g.off_data + g.n_units * g.unit_size) < 2 * g.unit_size + (64 << 10)  # nearly all used
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 16 MiB tmpfs of our own (as Docker's 64 MiB /dev/shm is too small for a big pool)."""
+    import subprocess
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M,mode=1777", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_creating_a_pool_larger_than_its_tmpfs_fails_cleanly(small_tmpfs):
+    """Run in a child: if creation ever left unbacked pages, the first put would die with SIGBUS."""
+    import subprocess
+    import sys
+    path = str(small_tmpfs / "pool")
+    code = ("import sys\nfrom maru_shm import Store, StoreError\n"
+            "try:\n    s = Store.open(sys.argv[1], '64M', create=True)\nexcept StoreError as e:\n"
+            "    print('refused:', e)\nelse:\n    s.put('k', bytes(1 << 20)); print('opened')\n")
+    p = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.startswith("refused:") and "free" in p.stdout and "64.0 MiB" in p.stdout, p.stdout
+    assert not os.path.exists(path)
+    with Store.open(path, "8M", create=True) as s:  # a size that fits is created and fully backed
+        assert os.stat(path).st_blocks * 512 >= s.geo.file_size
+        assert s.put("k", bytes(1 << 20))

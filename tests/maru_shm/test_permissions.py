@@ -98,13 +98,14 @@ def as_user(fn, *args, uid: int, gid: int, groups=()):
 # ---------------------------------------------------------------- what the child does
 
 def _use_pool(path):
-    with Store.open(path, timeout=5) as s:
+    with Store.open(path, timeout=5, mode=0o660) as s:  # a group opener: it joins a group-mode pool
         got = s.get("from-owner")
         assert s.put("from-member", make_value("from-member", 1, 5000))
         return got, os.geteuid(), os.getegid()
 
 
 def _open_only(path, **kw):
+    kw.setdefault("mode", 0o660)  # a group opener; private openers are tested on their own below
     with Store.open(path, timeout=5, **kw) as s:
         return s.get("from-owner")
 
@@ -151,7 +152,7 @@ def test_group_mode_lets_a_group_member_use_the_pool(pool_path, ids):
     got, euid, egid = as_user(_use_pool, pool_path, uid=uid, gid=own_gid, groups=[share_gid])
     assert (euid, egid) == (uid, own_gid)  # really another user, whose primary group is not the pool's
     assert check_value("from-owner", got)
-    with Store.open(pool_path) as s:  # and the owner sees what the member wrote
+    with Store.open(pool_path, mode=0o660) as s:  # and the owner sees what the member wrote
         assert check_value("from-member", s.get("from-member"))
         assert s.check().ok
 
@@ -162,7 +163,7 @@ def test_group_mode_member_attached_alongside_the_owner(pool_path, ids):
     uid, share_gid, own_gid, _ = ids
 
     def member(path):
-        with Store.open(path, timeout=5) as s:
+        with Store.open(path, timeout=5, mode=0o660) as s:
             assert s.put("m", make_value("m", 1, 1000))
             o = s.geo.off_procs + s.slot * 128
             return int.from_bytes(s.mm[o + 24:o + 28], "little"), s.stats()["processes"]
@@ -204,8 +205,10 @@ def test_pool_of_another_user_is_refused_unless_allowed(pool_path, ids):
     with Store.open(pool_path, "8M", create=True) as s:
         assert s.put("from-owner", make_value("from-owner", 1, 3000))
     os.chown(pool_path, uid, own_gid)
-    with pytest.raises(PermissionDeniedError, match=f"owned by uid {uid}.*not in group mode"):
+    with pytest.raises(PermissionDeniedError, match=f"owned by uid {uid}.*private pool"):
         Store.open(pool_path)
+    with pytest.raises(PermissionDeniedError, match=f"owned by uid {uid}.*not in group mode"):
+        Store.open(pool_path, mode=0o660)
     with Store.open(pool_path, allow_foreign_owner=True) as s:  # explicitly allowed
         assert check_value("from-owner", s.get("from-owner"))
 
@@ -282,3 +285,98 @@ def test_not_a_regular_file_is_refused(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(NotAPoolError):
         Store.open(fifo)
+
+
+# ---------------------------------------------------------------- private openers (mode 0600)
+
+def _plant_group_pool(path):
+    """The attacker: pre-creates the victim's pool path as a group-mode pool holding its own value."""
+    with Store.open(path, "8M", create=True, mode=0o660) as s:
+        assert s.put("from-owner", b"planted by the attacker")
+    return os.geteuid()
+
+
+@needs_root
+def test_private_opener_refuses_a_group_pool_planted_by_another_user(pool_path, ids):
+    """Two users sharing a group: the attacker pre-creates the path 0660; the victim asks for a private pool
+    (the default mode) and must not attach to it (it would read the attacker's values)."""
+    attacker, share_gid, own_gid, victim = ids
+    assert as_user(_plant_group_pool, pool_path, uid=attacker, gid=share_gid, groups=[share_gid]) == attacker
+    with pytest.raises(PermissionDeniedError, match=f"owned by uid {attacker}.*private pool"):
+        as_user(lambda p: _open_only(p, mode=0o600), pool_path, uid=victim, gid=own_gid, groups=[share_gid])
+    with pytest.raises(PermissionDeniedError, match=f"owned by uid {attacker}.*private pool"):  # create=True too
+        as_user(lambda p: Store.open(p, "8M", create=True), pool_path, uid=victim, gid=own_gid, groups=[share_gid])
+    # asking for the group pool explicitly is the victim's informed choice
+    assert as_user(_open_only, pool_path, uid=victim, gid=own_gid, groups=[share_gid]) == b"planted by the attacker"
+
+
+@pytest.mark.parametrize("fmode", [0o620, 0o660, 0o602], ids=oct)
+def test_private_opener_refuses_its_own_pool_that_others_can_write(pool_path, fmode):
+    with Store.open(pool_path, "4M", create=True):
+        pass
+    os.chmod(pool_path, fmode)
+    with pytest.raises(PermissionDeniedError, match="writable by .*private pool"):
+        Store.open(pool_path)
+    if not fmode & 0o002:
+        with Store.open(pool_path, mode=0o660):  # a group opener accepts its own group-writable pool
+            pass
+
+
+# ---------------------------------------------------------------- DAX side lock file
+
+def _fake_dax(tmp_path, monkeypatch, name="dax97.3"):
+    """A stand-in for /dev/daxN.M: the side lock file logic runs on its name only."""
+    from maru_shm import poolfile
+    lock = poolfile.side_lock_path(f"/dev/{name}")
+    if os.path.lexists(lock):
+        os.unlink(lock)
+    return f"/dev/{name}", lock
+
+
+@needs_root
+def test_side_lock_file_of_another_user_is_refused(ids, tmp_path, monkeypatch):
+    from maru_shm.poolfile import open_side_lock
+    uid, share_gid, own_gid, _ = ids
+    dev, lock = _fake_dax(tmp_path, monkeypatch)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
+        os.close(fd)
+        os.chown(lock, uid, own_gid)  # pre-created by another user, who could hold INIT forever
+        with pytest.raises(PermissionDeniedError, match="lock file .* owned by uid"):
+            open_side_lock(dev, 0o600)
+        os.chown(lock, os.geteuid(), os.getegid())
+        os.chmod(lock, 0o666)
+        with pytest.raises(PermissionDeniedError, match="lock file .* writable"):
+            open_side_lock(dev, 0o600)
+        os.chmod(lock, 0o600)
+        os.close(open_side_lock(dev, 0o600))  # ours and private: accepted
+    finally:
+        os.unlink(lock)
+
+
+def test_side_lock_file_that_is_a_symlink_or_fifo_is_refused(tmp_path, monkeypatch):
+    from maru_shm.poolfile import open_side_lock
+    dev, lock = _fake_dax(tmp_path, monkeypatch)
+    try:
+        os.symlink(tmp_path / "elsewhere", lock)
+        with pytest.raises(PermissionDeniedError, match="symlink"):
+            open_side_lock(dev, 0o600)
+        assert not (tmp_path / "elsewhere").exists()
+        os.unlink(lock)
+        os.mkfifo(lock, 0o600)
+        with pytest.raises(PermissionDeniedError, match="not a regular file"):  # and no hang on the FIFO
+            open_side_lock(dev, 0o600)
+    finally:
+        if os.path.lexists(lock):
+            os.unlink(lock)
+
+
+def test_a_character_device_that_is_not_dax_leaves_no_lock_file():
+    from maru_shm import StoreError
+    from maru_shm.poolfile import side_lock_path
+    lock = side_lock_path("/dev/null")
+    if os.path.lexists(lock):
+        os.unlink(lock)
+    with pytest.raises(StoreError, match="DAX"):
+        Store.open("/dev/null")
+    assert not os.path.lexists(lock)
