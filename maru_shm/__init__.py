@@ -9,6 +9,7 @@ See docs/FORMAT.md for the file format and its crash-safety protocol.
 """
 
 from .errors import (CorruptPoolError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
+                     PoolDamagedError,
                      SizeMismatchError, StoreError, TruncatedPoolError, ValueTooLargeError, VersionError)
 from .sizes import format_size, parse_size
 from .store import Store
@@ -17,6 +18,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Store", "StoreError", "NotAPoolError", "VersionError", "CorruptPoolError", "TruncatedPoolError",
-    "SizeMismatchError", "PermissionDeniedError", "LockTimeout", "ValueTooLargeError", "PoolClosedError",
+    "SizeMismatchError", "PermissionDeniedError", "LockTimeout", "ValueTooLargeError", "PoolClosedError", "PoolDamagedError",
     "parse_size", "format_size",
 ]

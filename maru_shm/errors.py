@@ -17,7 +17,11 @@ class CorruptPoolError(StoreError):
     """The pool header fails its checksum or a geometry check."""
 
 
-class TruncatedPoolError(StoreError):
+class PoolDamagedError(StoreError):
+    """The pool file was truncated, overwritten or re-created under an attached process."""
+
+
+class TruncatedPoolError(PoolDamagedError):
     """The file is shorter than the geometry recorded in its header."""
 
 

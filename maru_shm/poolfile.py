@@ -16,7 +16,7 @@ import stat
 import time
 
 from . import crashpoints as _cp
-from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError)
+from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
 from .format import (LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
                      Geometry)
 from .locks import ofd_trylock, ofd_unlock
@@ -221,6 +221,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
             finally:
                 ofd_unlock(lock_fd, LOCK_INIT)
             time.sleep(0.005)  # a creator may be between O_EXCL and taking INIT
+        if not is_device:
+            ensure_backed(fd, path, geo.file_size)
         mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         # The header may have been rewritten by a racing creator between read and map: re-read.
         geo2 = Geometry.read(mm, geo.file_size)
@@ -335,6 +337,48 @@ def _size_regular_file(fd: int, path: str, file_size: int) -> None:
             raise StoreError(f"cannot create a pool of {_human(file_size)} at {path}: its file system ran out of "
                              f"space ({_human(free_space(fd))} free); give a smaller size or make room") from None
         raise StoreError(f"cannot allocate {_human(file_size)} for {path}: {e.strerror}") from None
+
+
+def ensure_backed(fd: int, path: str, file_size: int) -> None:
+    """Every page of an existing pool file must be allocated before it is mapped: a sparse pool (made by
+    `truncate -s`, or by a version that did not allocate) on a file system that fills up would deliver
+    SIGBUS at the first store to a hole. Allocate the holes now, or refuse the pool."""
+    if os.fstat(fd).st_blocks * 512 >= file_size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, file_size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # a file system without fallocate: nothing can be reserved ahead
+        raise StoreError(
+            f"{path} is a pool of {_human(file_size)} whose memory is not all allocated, and allocating it "
+            f"failed ({e.strerror}; {_human(free_space(fd))} free on its file system): using it could kill "
+            "this process with SIGBUS; make room, or destroy it and create a smaller pool") from None
+
+
+def regrow_truncated(fd: int, path: str, size: int, file_size: int) -> TruncatedPoolError:
+    """Someone shrank an attached pool's file to `size`: grow it back to `file_size` and mark it for re-format.
+
+    Every process still mapping it would take SIGBUS at its next touch of a page past the new end; grown
+    back (allocated if the file system has room, else sparse), those pages read as zeros. Its contents
+    are gone, so the header becomes magic without READY: "our own unfinished header", which the next create=True
+    opener formats again (section 2) and every attached process sees as a changed header. Only syscalls
+    here: nothing touches the mapping.
+    """
+    try:
+        try:
+            os.posix_fallocate(fd, 0, file_size)
+        except OSError:
+            os.ftruncate(fd, file_size)
+        if os.pread(fd, 8, 0) != MAGIC:
+            os.pwrite(fd, MAGIC, 0)
+        os.pwrite(fd, bytes(4), STATE_OFF)  # not READY: a partial truncation left a header that still looks whole
+        grown = "grown back to its size, to be formatted again by the next create=True opener"
+    except OSError as e:
+        grown = f"could not be grown back ({e.strerror})"
+    return TruncatedPoolError(
+        f"{path} was truncated to {size} bytes under this process (the pool is {file_size} bytes): its contents "
+        f"are gone and it was {grown}; close this store and open the pool again")
 
 
 def _human(n: int) -> str:

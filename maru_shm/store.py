@@ -9,6 +9,8 @@ reserve blocks and one shard lock per index shard to publish them.
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import os
 import time
 import weakref
@@ -18,18 +20,22 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from . import crashpoints as _cp
+from . import faultguard
 from .allocator import Allocator
 from .allocator.slabs import SMALL_BATCH
-from .errors import PoolClosedError, StoreError, ValueTooLargeError
+from .errors import PoolClosedError, PoolDamagedError, StoreError, ValueTooLargeError
+from .fence import CallFence
 from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
+                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, STATE_OFF, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
                      store_u64)
 from .index import Index, digest_array, key_digest
 from .pieces import Pieces, PieceTable, piece_lengths
 from .resolve import leading_present, resolve
 from .locks import LockTable, dense_range, ofd_is_held, ofd_trylock, ofd_unlock
-from .poolfile import PoolFile, open_pool_file
+from .poolfile import PoolFile, ensure_backed, open_pool_file, regrow_truncated
 from .sizes import parse_size
+
+CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -47,6 +53,25 @@ def _forget_stores_in_child() -> None:
 
 os.register_at_fork(after_in_child=_forget_stores_in_child)
 
+
+
+def _entry(method):
+    """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
+    call fence while it runs, so that close() waits for it before unmapping."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._forked or not self._fence.enter():  # (a forked child never touches the fence: its lock may be held)
+            self._check_open()
+            raise PoolClosedError("store is closed")
+        try:
+            self._check_intact()
+            result = method(self, *args, **kwargs)
+            if self._faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
+                self._check_intact()
+            return result
+        finally:
+            self._fence.leave()
+    return call
 
 
 def _start_ticks(pid: int) -> int:
@@ -109,17 +134,16 @@ class Store:
             store.populate()
         return store
 
+    @_entry
     def populate(self) -> None:
         """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
         if not self._pf.is_device:
-            try:
-                os.posix_fallocate(self._pf.fd, 0, self.geo.file_size)
-            except OSError:
-                pass  # a filesystem without fallocate: faults happen on first touch instead
+            ensure_backed(self._pf.fd, self.path, self.geo.file_size)
         try:
             self.mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+); never changes contents
-        except (OSError, ValueError):
-            pass
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel without it (faults happen on first touch instead)
+                raise StoreError(f"cannot pre-fault {self.path}: {e.strerror}") from None
 
     def __init__(self, pf: PoolFile, timeout: float):
         self._pf = pf
@@ -130,10 +154,14 @@ class Store:
         self.locks = LockTable(pf.lock_fd, pf.mm, pf.geo.off_locks, timeout)
         self.index = Index(pf.mm, pf.geo)
         self._anchor = ctypes.c_char.from_buffer(pf.mm)
+        self._faults = faultguard.register(ctypes.addressof(self._anchor), pf.geo.file_size)
         self._data = ctypes.addressof(self._anchor) + pf.geo.off_data
         self._counters = [0] * N_COUNTERS
         self._closed = False
         self._forked = False
+        self._fence = CallFence()
+        self._damage: StoreError | None = None
+        self._header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what _check_intact expects
         self.slot = -1
         self.alloc = Allocator(self)
         try:
@@ -145,6 +173,7 @@ class Store:
             try:
                 self._detach()
             finally:
+                faultguard.unregister(self._faults)
                 self._release_exports()
                 self.locks.close()
             raise
@@ -169,17 +198,36 @@ class Store:
         return self._data
 
     def close(self) -> None:
-        """Detach: publish counters, free the process slot, unmap. Idempotent."""
+        """Detach: publish counters, free the process slot, unmap. Idempotent.
+
+        Waits for calls in flight in other threads (CLOSE_WAIT s at most): the mapping is never unmapped
+        under a copy. A call that outlives the wait keeps the mapping alive (it is left to the process's
+        exit) rather than faulting.
+        """
         if self._closed:
             return
         self._closed = True
         _OPEN_STORES.discard(self)
+        if self._forked:  # a forked child's slot, locks and fence are its parent's: drop our copies only
+            self._release_all()
+            return
+        if not self._fence.shut_and_wait(CLOSE_WAIT):
+            return
         try:
-            if not self._forked:  # a forked child's slot is its parent's: leave it attached
+            if self._damage is None:
                 self._detach()
+            elif self.slot >= 0:  # never write into a damaged mapping: give up the slot's lock only
+                ofd_unlock(self.locks.fd, SLOT_LOCK_BASE + self.slot)
+                self.slot = -1
         finally:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        faultguard.unregister(self._faults)
+        try:
             self._release_exports()
             self.locks.close()
+        finally:
             self._pf.close()
 
     def _release_exports(self) -> None:
@@ -194,6 +242,34 @@ class Store:
             raise PoolClosedError("store is closed" if self._closed else
                                   "store was opened before fork() by the parent process; open the pool again "
                                   "in this process (the slot, locks and kept blocks are the parent's)")
+
+    def _check_intact(self) -> None:
+        """Refuse to go on with a mapping that lost pages or whose header changed under us.
+
+        A page of a shared mapping past the end of its file (the pool was truncated) or on a full tmpfs
+        delivers SIGBUS; faultguard absorbs it inside our mapping (zero page, counted), and this check
+        turns the count into PoolDamagedError. The header check catches a pool that was overwritten or
+        re-created by someone else. A shrunk file is grown back and marked for re-format (FORMAT.md
+        section 13), so that the next create=True opener formats it again.
+        """
+        if self._damage is not None:
+            raise self._damage
+        if self._faults.faults or self.mm[:STATE_OFF + 4] != self._header:
+            self._damage = self._diagnose()
+            raise self._damage
+
+    def _diagnose(self) -> PoolDamagedError:
+        if not self._pf.is_device:
+            size = os.fstat(self._pf.fd).st_size
+            if size < self.geo.file_size:
+                return regrow_truncated(self._pf.fd, self.path, size, self.geo.file_size)
+        if self._faults.faults:
+            return PoolDamagedError(
+                f"a page of {self.path} could not be backed under this process (SIGBUS absorbed: its file system "
+                "is full, or the file was truncated and grown again): the pool is damaged; close this store")
+        return PoolDamagedError(
+            f"the header of {self.path} changed under this process (the pool was overwritten or re-created): its "
+            "contents are gone; close this store and open the pool again")
 
     # ---------------------------------------------------------------- process table
     def _slot_off(self, slot: int) -> int:
@@ -255,6 +331,7 @@ class Store:
             return False
         return ofd_is_held(self.locks.fd, SLOT_LOCK_BASE + slot)
 
+    @_entry
     def reap_dead(self, under_pressure: bool = False) -> int:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
         reaped = 0
@@ -416,9 +493,9 @@ class Store:
         return out
 
     # ---------------------------------------------------------------- sizes
+    @_entry
     def declare_size(self, nbytes: int) -> int:
         """Give values of exactly `nbytes` an exact-fit size class (e.g. a KV page); returns its class id."""
-        self._check_open()
         return self.alloc.declare_exact(int(nbytes)).cid
 
     @property
@@ -462,6 +539,7 @@ class Store:
         """Load the value of `key` into destination pieces whose total length must equal it exactly."""
         return self.batch_get_pieces([key], [pieces])[0]
 
+    @_entry
     def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces], *, digests=None) -> list[bool]:
         """Load many values into destination pieces; per key True only if the stored length matches exactly.
 
@@ -469,7 +547,6 @@ class Store:
         (see maru_shm.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
         replaces hashing `keys`.
         """
-        self._check_open()
         darr = self._digest_batch(keys, digests)
         n = len(darr)
         if len(pieces_list) != n:
@@ -531,14 +608,15 @@ class Store:
             self.alloc.unit_refs[offs[still] // self.geo.unit_size] = 1
         return ok
 
+    @_entry
     def resolve(self, digests, full: bool = True):
         """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).
 
         full=False skips the block-start checks a copy needs: enough to ask "present, and how long?".
         """
-        self._check_open()
         return resolve(self, digest_array(digests), full=full)
 
+    @_entry
     def home_hits(self, digests) -> np.ndarray:
         """Cheap, lock-free hint for a batch: True where an entry for the digest sits in its home slot.
 
@@ -546,7 +624,6 @@ class Store:
         True is only "maybe present" (confirm with `resolve`). Writers use it to skip
         the full lookup of keys that are almost surely new.
         """
-        self._check_open()
         halves = digest_array(digests).view("<u8")
         e = self.index.table[self.index.home_slots(halves[:, 0], halves[:, 1])]
         return (e[:, 0] == halves[:, 0]) & (e[:, 1] == halves[:, 1]) & (e[:, 2] != 0)
@@ -560,8 +637,8 @@ class Store:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
         return self.batch_get_into([key], [out])[0]
 
+    @_entry
     def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
-        self._check_open()
         res: list[int | None] = []
         hits = misses = nbytes = 0
         for key, out in zip(keys, outs):
@@ -585,9 +662,9 @@ class Store:
         self.flush_counters()
         return res
 
+    @_entry
     def get(self, key) -> bytes | None:
         """The value of `key`, or None."""
-        self._check_open()
         d = key_digest(key)
         for _ in range(3):  # a concurrent overwrite may move the key: retry briefly
             found = self._lookup(d)
@@ -605,15 +682,16 @@ class Store:
         self.flush_counters()
         return None
 
+    @_entry
     def exists(self, key) -> bool:
-        self._check_open()
         return self._lookup(key_digest(key)) is not None
 
+    @_entry
     def batch_exists(self, keys: Iterable = (), *, digests=None) -> list[bool]:
         """Per key: is a committed value present? One vectorised pass, no locks."""
-        self._check_open()
         return resolve(self, self._digest_batch(list(keys), digests), full=False).ok.tolist()
 
+    @_entry
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
         """How many keys from the start are present (with exactly `length` bytes, if given).
 
@@ -621,16 +699,15 @@ class Store:
         A caller that expects most prefixes to miss at once asks `length_of` for the
         first key before hashing the rest (MaruStorage.batch_exists does).
         """
-        self._check_open()
         darr = self._digest_batch(list(keys), digests)
         if len(darr) == 1:
             found = self._lookup(darr[0].tobytes())
             return int(found is not None and (length is None or found[2] == length))
         return leading_present(self, darr, length)
 
+    @_entry
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
-        self._check_open()
         found = self._lookup(key_digest(key) if digest is None else bytes(digest))
         return None if found is None else found[2]
 
@@ -657,6 +734,7 @@ class Store:
         del keeps
         return res
 
+    @_entry
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None) -> list[bool]:
         """Store many values; per key True once committed and visible (or already present with skip_existing).
@@ -665,7 +743,6 @@ class Store:
         publishes first, even while this call copies, keeps its value.
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
         """
-        self._check_open()
         mine: dict[int, int] = {}  # offset -> word of each block this call owns and has not published
         try:
             return self._put_many(keys, pieces_list, skip_existing, mine, digests)
@@ -941,9 +1018,9 @@ class Store:
             if U64.unpack_from(self.mm, m)[0] == word:
                 self.mm[m + 28:m + 30] = (self.slot + 1).to_bytes(2, "little")
 
+    @_entry
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
-        self._check_open()
         d = key_digest(key)
         s = self.index.shard_of(d)
         with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
@@ -959,15 +1036,15 @@ class Store:
         return True
 
     # ---------------------------------------------------------------- inspection
+    @_entry
     def check(self, repair: bool = False):
         """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
-        self._check_open()
         from .check import check_store
         return check_store(self, repair=repair)
 
+    @_entry
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
-        self._check_open()
         self.flush_counters()
         from .inspect import pool_stats
         return pool_stats(self)
