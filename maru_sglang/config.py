@@ -72,8 +72,9 @@ class MaruConfig:
                 ms = float(extra["maru_timeout_ms"])
             except (TypeError, ValueError):
                 raise ValueError(f"maru_timeout_ms: expected milliseconds, got {extra['maru_timeout_ms']!r}") from None
-            if ms <= 0:
-                raise ValueError(f"maru_timeout_ms: must be positive, got {ms}")
+            if not 0 < ms <= 86_400_000:  # also refuses NaN and inf, which would wait forever
+                raise ValueError(f"maru_timeout_ms: must be a positive, finite number of milliseconds (at most a "
+                                 f"day), got {extra['maru_timeout_ms']!r}")
             kw["timeout_s"] = ms / 1000.0
         if "maru_eager_map" in extra:
             kw["eager_map"] = _bool(extra["maru_eager_map"], "maru_eager_map")

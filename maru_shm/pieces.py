@@ -12,6 +12,7 @@ copy would overrun its block.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -35,10 +36,11 @@ class PieceTable:
         if isinstance(pieces_list, np.ndarray):
             if pieces_list.ndim != 3 or pieces_list.shape[0] != n or pieces_list.shape[2] != 2:
                 raise ValueError(f"pieces array of shape {pieces_list.shape}; expected ({n}, pieces, 2)")
+            if pieces_list.dtype.kind not in "iu":
+                raise TypeError(f"pieces array of dtype {pieces_list.dtype}; expected integers")
             a = pieces_list.astype(np.int64, copy=False)
+            _check_table(a.reshape(-1, 2))
             sizes = a[:, :, 1]
-            if sizes.size and int(sizes.min()) < 0:
-                raise ValueError("a piece has a negative size")
             ends = np.cumsum(sizes, axis=1)
             k = a.shape[1]
             return cls(a[:, :, 0].reshape(-1), sizes.reshape(-1), np.repeat(np.arange(n), k),
@@ -47,10 +49,12 @@ class PieceTable:
             raise ValueError(f"{len(pieces_list)} piece lists for {n} values")
         counts = [len(p) for p in pieces_list]
         flat = [x for p in pieces_list for pair in p for x in pair]
-        a = np.array(flat, dtype=np.int64).reshape(-1, 2) if flat else np.zeros((0, 2), dtype=np.int64)
+        a = np.array(flat).reshape(-1, 2) if flat else np.zeros((0, 2), dtype=np.int64)
+        if a.dtype.kind not in "iu":
+            raise TypeError("a piece must be (address, nbytes), two integers")
+        a = a.astype(np.int64, copy=False)
+        _check_table(a)
         sizes = a[:, 1]
-        if sizes.size and int(sizes.min()) < 0:
-            raise ValueError("a piece has a negative size")
         value = np.repeat(np.arange(n), counts)
         ends = np.cumsum(sizes)
         lengths = np.bincount(value, weights=sizes, minlength=n).astype(np.int64)
@@ -71,16 +75,37 @@ class PieceTable:
         return src, dst, nb
 
 
+def _check_table(a: np.ndarray) -> None:
+    """Rows of [address, nbytes]: a size is never negative, and a piece of any size has an address."""
+    if a.size and (int(a[:, 1].min()) < 0 or bool(((a[:, 0] <= 0) & (a[:, 1] > 0)).any())):
+        raise ValueError("a piece has a negative size or a null address")
+
+
 def piece_lengths(pieces_list) -> list[int]:
-    """Length in bytes of each value (the small-batch paths, which do not build a table)."""
+    """Length in bytes of each value (the small-batch paths, which do not build a table).
+
+    Pieces are raw pointers: an address that is an integer but not memory of this process cannot be
+    detected and will crash the process (ctypes.memmove). What is checked is what can be: both are
+    integers (ctypes would take a str or bytes as a pointer to its own buffer), a size is not negative,
+    an address is not null.
+    """
     if isinstance(pieces_list, np.ndarray):
         return PieceTable.of(pieces_list, len(pieces_list)).lengths.tolist()
     out = []
     for p in pieces_list:
         n = 0
-        for _, nb in p:
-            if nb < 0:
-                raise ValueError("a piece has a negative size")
+        for addr, nb in p:
+            if type(addr) is not int or type(nb) is not int:
+                addr, nb = _as_ints(addr, nb)
+            if nb < 0 or (addr <= 0 and nb):
+                raise ValueError("a piece has a negative size or a null address")
             n += nb
         out.append(n)
     return out
+
+
+def _as_ints(addr, nb) -> tuple[int, int]:
+    try:
+        return operator.index(addr), operator.index(nb)
+    except TypeError:
+        raise TypeError(f"a piece must be (address, nbytes), two integers; got ({addr!r}, {nb!r})") from None

@@ -35,6 +35,7 @@ from .locks import LockTable, dense_range, ofd_is_held, ofd_trylock, ofd_unlock
 from .poolfile import PoolFile, ensure_backed, open_pool_file, regrow_truncated
 from .sizes import parse_size
 
+MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
@@ -85,13 +86,36 @@ def _start_ticks(pid: int) -> int:
 
 
 def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
-    """(address, nbytes, keepalive) of a contiguous buffer."""
-    arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
+    """(address, nbytes, keepalive) of a C-contiguous buffer; anything else is refused.
+
+    Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
+    value loaded into it would be lost while the call reported a hit.
+    """
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    else:
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError) as e:
+            raise TypeError(f"expected a C-contiguous buffer (bytes, bytearray, memoryview, numpy array): {e}") from None
+    if not arr.flags.c_contiguous:
+        raise TypeError("buffer must be C-contiguous (not a strided slice or a Fortran-order array); "
+                        "pass np.ascontiguousarray(...) and copy back")
     if writable and not arr.flags.writeable:
         raise TypeError("destination buffer is read-only")
-    if not arr.flags.c_contiguous:
-        raise TypeError("buffer must be contiguous")
+    arr = arr.reshape(-1).view(np.uint8)
     return arr.ctypes.data, arr.nbytes, arr
+
+
+def check_timeout(timeout) -> float:
+    """A lock wait limit: a positive, finite number of seconds, at most a day (NaN or inf would wait forever)."""
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
+    if not (0 < t <= MAX_TIMEOUT):  # also false for NaN
+        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
+    return t
 
 
 def _check_fits(info, length: int) -> None:
@@ -120,6 +144,10 @@ class Store:
         to each page does not pay for a page fault; it costs the full pool size
         in RAM up front, which is what a KV-cache tier wants anyway.
         """
+        timeout = check_timeout(timeout)
+        if index_slots is not None and (type(index_slots) is not int or index_slots < 1):
+            raise ValueError(f"index_slots must be a positive integer (or None to size it from the pool), "
+                             f"got {index_slots!r}")
         size_b = parse_size(size) if size is not None else None
         plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
                     index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots)
@@ -536,7 +564,10 @@ class Store:
         return True
 
     def get_pieces(self, key, pieces: Pieces) -> bool:
-        """Load the value of `key` into destination pieces whose total length must equal it exactly."""
+        """Load the value of `key` into destination pieces whose total length must equal it exactly.
+
+        Raw pointers, as for put_pieces: a bogus address crashes the process. Use get_into() for buffers.
+        """
         return self.batch_get_pieces([key], [pieces])[0]
 
     @_entry
@@ -639,6 +670,9 @@ class Store:
 
     @_entry
     def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
+        keys, outs = list(keys), list(outs)
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(outs)} destination buffers for {len(keys)} keys")
         res: list[int | None] = []
         hits = misses = nbytes = 0
         for key, out in zip(keys, outs):
@@ -725,7 +759,11 @@ class Store:
         return ok
 
     def put_pieces(self, key, pieces: Pieces) -> bool:
-        """Store one value gathered from source pieces (address, nbytes) without an intermediate buffer."""
+        """Store one value gathered from source pieces (address, nbytes) without an intermediate buffer.
+
+        The addresses are raw pointers into this process's memory and cannot be checked: a bogus one
+        crashes the process (SIGSEGV), as any memcpy would. Use put() for Python buffers.
+        """
         return self.batch_put_pieces([key], [pieces])[0]
 
     def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False) -> list[bool]:

@@ -59,7 +59,8 @@ def test_unknown_maru_keys_are_warned_by_name(make_instance, caplog):
 
 @pytest.mark.parametrize("key, value", [
     ("maru_pool_size", "lots"), ("maru_pool_size", "-4G"), ("maru_pool_size", 0),
-    ("maru_timeout_ms", -5), ("maru_timeout_ms", "soon"), ("maru_chunk_size_bytes", "1X"),
+    ("maru_timeout_ms", -5), ("maru_timeout_ms", "soon"), ("maru_timeout_ms", "nan"), ("maru_timeout_ms", "inf"),
+    ("maru_timeout_ms", 1e400), ("maru_chunk_size_bytes", "1X"),
     ("maru_eager_map", "maybe"), ("maru_mode", "rw"), ("maru_path", ""),
 ])
 def test_bad_values_fail_at_construction_naming_the_key(pool_path, key, value):

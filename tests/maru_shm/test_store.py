@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -292,3 +294,56 @@ def test_a_forked_child_cannot_use_the_parents_store(store):
     assert store.get("a") == v and store.put("b", make_value("b", 1, 5000))
     assert store.stats()["processes"] == 1
     assert_clean(store, reap=False)
+
+
+# ---------------------------------------------------------------- bad input is refused, never half-honoured
+
+@pytest.mark.parametrize("make", [lambda: np.zeros((64, 8), np.uint8)[:, 2],            # a column slice
+                                  lambda: np.zeros((16, 32), np.uint8, order="F"),        # Fortran order
+                                  lambda: memoryview(bytearray(256))[::2]])               # strided memoryview
+def test_non_contiguous_buffers_are_refused_not_silently_copied(open_store, make):
+    s = open_store()
+    s.put("k", bytes(range(64)))
+    for call in (lambda b: s.get_into("k", b), lambda b: s.batch_get_into(["k"], [b]), lambda b: s.put("k2", b)):
+        with pytest.raises(TypeError, match="contiguous"):
+            call(make())
+
+
+def test_batch_get_into_needs_one_buffer_per_key(open_store):
+    s = open_store()
+    s.put("a", b"1")
+    s.put("b", b"2")
+    with pytest.raises(ValueError, match="1 destination buffers for 2 keys"):
+        s.batch_get_into(["a", "b"], [bytearray(1)])
+
+
+@pytest.mark.parametrize("pieces", [[("a", 5)], [(b"xyzzy", 5)], [(1.5, 5)], [(0, 5)], [(12345, -1)]])
+def test_pieces_that_are_not_integer_pointers_are_refused(open_store, pieces):
+    s = open_store()
+    with pytest.raises((TypeError, ValueError)):
+        s.put_pieces("k", pieces)
+    with pytest.raises((TypeError, ValueError)):
+        s.batch_put_pieces([f"k{i}" for i in range(40)], [pieces] * 40)  # the vector path too
+    assert s.get("k") is None
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 1e400, 0, -1, "soon", 10 ** 7])
+def test_lock_timeouts_that_would_wait_forever_are_refused(pool_path, timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        Store.open(pool_path, "4M", create=True, timeout=timeout)
+    assert not os.path.exists(pool_path)
+
+
+@pytest.mark.parametrize("slots", [-1, 0, 1.5])
+def test_bad_index_slots_are_refused(pool_path, slots):
+    with pytest.raises(ValueError, match="index_slots"):
+        Store.open(pool_path, "4M", create=True, index_slots=slots)
+
+
+@pytest.mark.parametrize("path", ["", "/nonexistent-dir-maru/pool"])
+def test_a_path_that_cannot_be_a_pool_is_a_store_error(path):
+    from maru_shm import StoreError
+    with pytest.raises(StoreError):
+        Store.open(path, "4M", create=True)
+    with pytest.raises(StoreError):
+        Store.open(path)
