@@ -119,6 +119,12 @@ class _ThreadLocks:
         self.held: set[int] = set()
 
 
+def _forget_thread_fd(table_ref, fd: int) -> None:
+    table = table_ref()
+    if table is not None:
+        table._forget_fd(fd)
+
+
 class LockTable:
     """All locks of one attached pool, for one process (shared by its threads).
 
@@ -156,7 +162,9 @@ class LockTable:
             mine = self._local.mine = _ThreadLocks(fd)
             # The thread's local state goes when the thread ends: so does its description (a thread that
             # died holding a lock leaves it dirty, like a dead process; the next holder repairs).
-            weakref.finalize(mine, self._forget_fd, fd).atexit = False
+            # The finalizer must not hold the table: a long-lived thread would keep every table (and its
+            # mapping's objects) it ever used alive, one per Store.open/close cycle.
+            weakref.finalize(mine, _forget_thread_fd, weakref.ref(self), fd).atexit = False
         return mine.fd, mine.held
 
     def _forget_fd(self, fd: int) -> None:

@@ -525,3 +525,22 @@ def test_a_finished_thread_closes_its_description(open_store, pool_path, make_va
     assert len(s.locks._fds) == 1  # the main thread's
     assert s.get("k19-3") is not None
     assert s.check().ok
+
+
+def test_open_close_cycles_leak_no_lock_table(pool_path):
+    """A thread that outlives many Stores (SGLang's main thread) must not keep each one's LockTable alive."""
+    import gc
+
+    from maru_shm import Store
+    from maru_shm.locks import LockTable
+    Store.open(pool_path, "4M", create=True).close()
+
+    def tables() -> int:
+        gc.collect()
+        return sum(isinstance(o, LockTable) for o in gc.get_objects())
+
+    before = tables()
+    for i in range(300):
+        with Store.open(pool_path) as s:
+            s.put(f"k{i % 7}", b"v" * 100)  # takes section locks on this thread's own description
+    assert tables() - before <= 1
