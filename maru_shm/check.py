@@ -1,6 +1,6 @@
-"""Whole-pool consistency check and repair (`Store.check`, `maru-shm check`).
+"""Whole-pool repair and the rules the checks share (`Store.check`, `maru-shm check --repair`).
 
-The check holds every class, pool and shard lock (in the documented order) so
+Repair holds every class, pool and shard lock (in the documented order) so
 it sees a quiescent pool, then verifies each rule of docs/FORMAT.md. Repair
 re-runs every domain repair, which rebuilds derived state from the two
 sources of truth (slab HEAD entries and block metas) and frees what no live
@@ -39,7 +39,15 @@ class CheckReport:
 
 
 def check_store(store, repair: bool = False, progress=None) -> CheckReport:
-    """Verify the whole pool; with repair=True rebuild it first and report what is still wrong."""
+    """Verify the whole pool; with repair=True rebuild it first and report what is still wrong.
+
+    Without repair this is the live check (livecheck.check_live): read-only, one lock domain at a time.
+    Repair holds every lock for its whole run: it rewrites derived state across domains.
+    """
+    if not repair:
+        from .inspect import PoolView
+        from .livecheck import check_live
+        return check_live(PoolView.of(store), timeout=store.timeout, progress=progress)
     locks = store.locks
     g = store.geo
     alloc = store.alloc

@@ -50,7 +50,7 @@ def lock_name(lock_id: int) -> str:
     return f"LOCK[{lock_id}]"
 
 
-def _flock(kind: int, lock_id: int, n: int = 1) -> bytes:
+def flock_bytes(kind: int, lock_id: int, n: int = 1) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, n, 0)
 
 
@@ -60,7 +60,7 @@ def ofd_trylock(fd: int, lock_id: int, n: int = 1) -> bool:
     False if another description holds any of them.
     """
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_WRLCK, lock_id, n))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_WRLCK, lock_id, n))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
@@ -69,7 +69,7 @@ def ofd_trylock(fd: int, lock_id: int, n: int = 1) -> bool:
 
 
 def ofd_unlock(fd: int, lock_id: int, n: int = 1) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(_F_UNLCK, lock_id, n))
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_UNLCK, lock_id, n))
 
 
 def _is_span(ids) -> bool:
@@ -92,7 +92,7 @@ def _runs(ids) -> list[tuple[int, int]]:
 
 def ofd_is_held(fd: int, lock_id: int) -> bool:
     """True if some other open file description holds the lock (does not take it)."""
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(_F_WRLCK, lock_id))
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock_bytes(_F_WRLCK, lock_id))
     return _FLOCK.unpack(res)[0] != _F_UNLCK
 
 

@@ -157,7 +157,7 @@ def cmd_inspect(args) -> int:
 # --------------------------------------------------------------------------- check
 class _Progress:
     """A progress bar on stderr for `check`: only on a terminal, and only once the check has run for
-    DELAY seconds (a small pool is done before anything is drawn). check_store reports slabs as it
+    DELAY seconds (a small pool is done before anything is drawn). check_live reports size classes as it
     goes; the index pass that follows has no count, so the bar then shows elapsed time only."""
 
     DELAY = 0.5
@@ -180,7 +180,7 @@ class _Progress:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             return
-        self.bar.update(self.task, completed=done, total=total, description="checking slabs")
+        self.bar.update(self.task, completed=done, total=total, description="checking size classes")
         if done >= total and self.index_task is None:
             self.index_task = self.bar.add_task("checking index entries and process table", total=None)
 
@@ -197,25 +197,27 @@ def cmd_check(args) -> int:
     from maru_shm import Store
     from maru_shm.check import check_store
     from maru_shm.inspect import PoolView
-    with PoolView.open(args.path):
-        pass  # validate read-only first: a file that is not a pool is never opened for writing
-    store = Store.open(args.path, timeout=args.timeout)
+    from maru_shm.livecheck import check_live
     tty = _is_tty(sys.stderr)
-    try:
+    # The check itself is read-only (a read-only mapping, shared locks one domain at a time, no process
+    # slot): it never writes, and writers keep working while it runs. Only --repair attaches.
+    with PoolView.open(args.path) as view:
         progress = _Progress(tty)
         try:
-            first = check_store(store, repair=False, progress=progress)
+            first = check_live(view, timeout=args.timeout, progress=progress)
         finally:
             progress.stop()
-        after = None
-        if args.repair and not first.ok:
+    after = None
+    if args.repair and not first.ok:
+        store = Store.open(args.path, timeout=args.timeout, mode=0o660)  # a group pool is repaired too
+        try:
             progress = _Progress(tty)
             try:
                 after = check_store(store, repair=True, progress=progress)
             finally:
                 progress.stop()
-    finally:
-        store.close()
+        finally:
+            store.close()
     rc = EXIT_OK if (after or first).ok else EXIT_PROBLEMS
     args._rc = rc
     scope = f"{first.checked_blocks:,} blocks, {first.checked_entries:,} index entries"
