@@ -1028,16 +1028,24 @@ class Store:
             # free it before we release them. Done after the locks (check, then clear), a replace +
             # free + re-reservation by another process could slip in between and we would wipe
             # *their* owner, making their in-flight block evictable under them.
+            # A block this batch published and then replaced (a key named twice) is not disowned: it is
+            # unindexed and waits in to_free, owned by us, so that a death before the free leaves it to the
+            # reaper; disowned, it would be an orphan (LIVE, unowned, unindexed) that only repair frees.
+            if to_free:
+                replaced = {off for off, _ in to_free}
+                published_now = [p and off not in replaced for p, off in zip(published, placed_off)]
+            else:
+                published_now = published
             if _cp.ARMED is not None:
                 _cp.hit("put.before_disown")
             if small:
                 for k, gi in enumerate(gidx):
-                    if published[k]:
+                    if published_now[k]:
                         U16.pack_into(mm, self.alloc.off_meta + gi * 32 + 28, 0)
-            elif all(published):
+            elif all(published_now):
                 self.alloc.meta_owners[gidx] = 0
             else:
-                pub = np.flatnonzero(np.array(published, dtype=bool))
+                pub = np.flatnonzero(np.array(published_now, dtype=bool))
                 if len(pub):
                     self.alloc.meta_owners[gidx[pub]] = 0
         return published, to_free, evicted, evicted_bytes

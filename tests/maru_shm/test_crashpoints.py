@@ -664,3 +664,20 @@ def test_lock_held_SLOT(pool_path):
         Store.open(path)
     """)
     recover(pool_path, expected)
+
+
+@pytest.mark.parametrize("n", [3, 40], ids=["scalar", "vector"])
+def test_put_before_free_with_a_key_named_twice_in_the_batch(pool_path, n):
+    """A batch names one key twice: its first block is published, then replaced by the second and left to
+    free. Dying before that free must leave the first block to the reaper (owned by the dead process),
+    not disowned as if it were still published: a LIVE, unowned, unindexed block is an orphan that only a
+    full repair would ever free."""
+    expected = new_pool(pool_path)
+    run_child(pool_path, "put.before_free", f"""
+        s = Store.open(path)
+        keys = ["twice"] + [f"other{{i}}" for i in range({n} - 2)] + ["twice"]
+        s.batch_put(keys, [make_value(k, i + 1, 5000) for i, k in enumerate(keys)])
+    """)
+    with Store.open(pool_path) as s:
+        report = s.check()
+        assert not any("orphan" in p for p in report.problems), report.problems
