@@ -161,11 +161,20 @@ class MaruStorage(HiCacheStorage):
             # writer wins (skip_existing), so processes that disagree converge on one record.
             known = self._nonce if self._nonce is not None else os.urandom(NONCE_BYTES)
             self.store.batch_put([rec], [known], skip_existing=True)
+            self._pin(rec)
             nonce = self.store.get(rec) or known
         self._nonce = nonce
         prefix = f"{self._ns_base}|{nonce.hex()}/"
         self._ns_cache = (now, prefix)
         return prefix
+
+    def _pin(self, rec: str) -> None:
+        """Keep the namespace record out of eviction: evicted, it would hide every page of the namespace
+        from a process that never saw its nonce."""
+        try:
+            self.store.pin(rec)
+        except StoreError as e:
+            self._log_once("pinning the namespace record", e)
 
     def _keys(self, keys: List[str]) -> List[str]:
         ns = self._namespace()
@@ -341,7 +350,9 @@ class MaruStorage(HiCacheStorage):
         if self._ns_base is None:
             return
         self._nonce = os.urandom(NONCE_BYTES)
-        self.store.put(f"__maru_ns__/{self._ns_base}", self._nonce)
+        rec = f"__maru_ns__/{self._ns_base}"
+        self.store.put(rec, self._nonce)
+        self._pin(rec)
         self._ns_cache = None
         logger.info("maru: cleared namespace %s", self._ns_base)
 

@@ -79,7 +79,8 @@ ENTRY_WORD_OFF, ENTRY_OFFSET_OFF = 16, 24
 # --- block meta ----------------------------------------------------------
 META_SIZE = 32
 META_STRUCT = struct.Struct("<Q16sIHB")  # word digest length owner ref
-META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF = 8, 24, 28, 30
+META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF = 8, 24, 28, 30, 31
+FLAG_PINNED = 1  # meta flags: eviction and slab moves leave this lifetime alone (Store.pin)
 FREE, RESERVED, LIVE = 0, 1, 2
 
 U64 = struct.Struct("<Q")

@@ -25,8 +25,8 @@ from .allocator import Allocator
 from .allocator.slabs import SMALL_BATCH
 from .errors import PoolClosedError, PoolDamagedError, StoreError, ValueTooLargeError
 from .fence import CallFence
-from .format import (COUNTER_NAMES, COUNTERS, LIVE, LOCK_PROC, META_STRUCT, N_COUNTERS, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, STATE_OFF, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
+from .format import (COUNTER_NAMES, COUNTERS, FLAG_PINNED, LIVE, LOCK_PROC, META_FLAGS_OFF, META_STRUCT, N_COUNTERS,
+                     PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SHARD_LOCK_BASE, STATE_OFF, SLOT_LOCK_BASE, U16, U64, Geometry, next_word,
                      store_u64)
 from .index import Index, digest_array, key_digest
 from .pieces import Pieces, PieceTable, piece_lengths
@@ -36,7 +36,8 @@ from .poolfile import PoolFile, ensure_backed, open_pool_file, regrow_truncated
 from .sizes import parse_size
 
 MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
-CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
+CLOSE_WAIT = 30.0
+PIN_LIMIT = 64  # values one Store may pin (Store.pin)  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 
 _COUNTER_POS = {name: i for i, name in enumerate(COUNTER_NAMES)}
 
@@ -187,6 +188,7 @@ class Store:
         self._counters = [0] * N_COUNTERS
         self._closed = False
         self._forked = False
+        self._pins: set[bytes] = set()  # digests of the keys this Store pinned (PIN_LIMIT)
         self._fence = CallFence()
         self._damage: StoreError | None = None
         self._header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what _check_intact expects
@@ -1003,7 +1005,7 @@ class Store:
                 for _ in range(2 * index.slots):  # bounded, whatever the shard says
                     if not index.is_full(s):
                         break
-                    victim = index.clock_victim(s, self.alloc.is_referenced)
+                    victim = index.clock_victim(s, self.alloc.is_referenced, self.alloc.is_pinned)
                     if victim is None or index.find(victim[0]) != victim[1:]:
                         # A count above the entries present, or an entry its own probe cannot reach
                         # (damage: removing it would fail, forever): rebuild the shard, once.
@@ -1063,6 +1065,31 @@ class Store:
             m = self.alloc.meta_off(offset)
             if U64.unpack_from(self.mm, m)[0] == word:
                 self.mm[m + 28:m + 30] = (self.slot + 1).to_bytes(2, "little")
+
+    @_entry
+    def pin(self, key) -> bool:
+        """Keep the committed value of `key` out of eviction and slab moves; True if it is present.
+
+        For the few small records a client cannot lose (MaruStorage's namespace nonce): values of at
+        most one granule, of at most PIN_LIMIT keys per Store, so pins cannot fill a pool. The pin belongs
+        to the value's block lifetime: an overwrite or delete of the key ends it (pin the new value).
+        """
+        d = key_digest(key)
+        if d not in self._pins and len(self._pins) >= PIN_LIMIT:
+            raise StoreError(f"this Store has pinned {PIN_LIMIT} keys already (the limit: pins are for a "
+                             "few records a client cannot lose)")
+        s = self.index.shard_of(d)
+        with self.locks.hold(SHARD_LOCK_BASE + s, repair=self._shard_repair(s)):
+            found = self._lookup(d)  # under the shard lock a published block cannot be freed or reused
+            if found is None:
+                return False
+            offset, _, length, m = found
+            if length > self.geo.granule:
+                raise ValueTooLargeError(f"only values of at most {self.geo.granule} bytes can be pinned "
+                                         f"({length} bytes under {key!r})")
+            self.mm[m + META_FLAGS_OFF] = self.mm[m + META_FLAGS_OFF] | FLAG_PINNED
+        self._pins.add(d)
+        return True
 
     @_entry
     def delete(self, key) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, CLS_DEMAND,
                       CLS_DEMAND_EPOCH, CLS_HAND, CLS_NSLABS, CLS_PARTIAL, CLS_USED, DEMAND_ACC_OFF,
                       DEMAND_EPOCH_OFF, FREE, FREE_FLOOR_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LIVE,
-                      LOCK_CLASSTAB, LOCK_POOL, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
+                      FLAG_PINNED, LOCK_CLASSTAB, LOCK_POOL, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, META_STRUCT, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP,
                       SLAB_ENTRY, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV,
                       SLAB_REF, SLAB_HAND_OFF, U16, U32, U64, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word,
                       store_u64)
@@ -240,11 +240,17 @@ class Allocator:
             return None
         return h, info, i
 
+    def is_pinned(self, offset: int) -> bool:
+        """Is the block at this data offset pinned (Store.pin)? Out of range: no."""
+        return 0 <= offset < self.geo.data_bytes and bool(self.mm[self.meta_off(offset) + META_FLAGS_OFF] & FLAG_PINNED)
+
     def is_referenced(self, offset: int, clear: bool = False) -> bool:
         """Block ref bit (for index-pressure CLOCK); optionally clear it."""
         if not 0 <= offset < self.geo.data_bytes:
             return False
         r = self.meta_off(offset) + 30
+        if self.mm[r + 1] & FLAG_PINNED:
+            return True  # pinned: always a second chance
         ref = self.mm[r]
         if ref and clear:
             self.mm[r] = 0
@@ -336,9 +342,9 @@ class Allocator:
                     for j, off in enumerate(pending):
                         mo = self.meta_off(off)
                         (word,) = U64.unpack_from(self.mm, mo)
-                        # FREE -> RESERVED in one write of bytes 0..30 (byte 31 untouched)
-                        self.mm[mo:mo + META_STRUCT.size] = META_STRUCT.pack(
-                            next_word(word, RESERVED), digests[k + j].tobytes(), int(lengths[k + j]), owner, 0)
+                        # FREE -> RESERVED in one write of the whole meta (flags 0: a new lifetime is not pinned)
+                        self.mm[mo:mo + META_SIZE] = META_STRUCT.pack(
+                            next_word(word, RESERVED), digests[k + j].tobytes(), int(lengths[k + j]), owner, 0) + b"\0"
                 else:
                     self._reserve_many(pending, digests[k:k + len(pending)], lengths[k:k + len(pending)], owner)
                 out.extend(pending)
@@ -440,6 +446,7 @@ class Allocator:
             if _cp.ARMED is not None:
                 _cp.hit("alloc.mid_reuse")  # RESERVED, still the old digest and length
             _REST.pack_into(mm, mo + 8, digests[j].tobytes(), int(lengths[j]), owner, 0)
+            mm[mo + META_FLAGS_OFF] = 0  # a new lifetime is not pinned
             out.append(off)
         return out
 
@@ -457,7 +464,7 @@ class Allocator:
         q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
         q[g, 1] = dig[:, 0]
         q[g, 2] = dig[:, 1]
-        q[g, 3] = (q[g, 3] & np.uint64(0xFF << 56)) | lengths | np.uint64(owner << 32)  # ref 0, byte 31 kept
+        q[g, 3] = lengths | np.uint64(owner << 32)  # ref 0, flags 0 (a new lifetime is not pinned)
 
     # -- making room: new slab, slab move, or eviction within the class ------------------------
     def _add_demand(self, cid: int, nbytes: int) -> None:
@@ -578,7 +585,8 @@ class Allocator:
             w3 = q[:, 3]
             owner = (w3 >> np.uint64(32)) & np.uint64(0xFFFF)
             ref = ((w3 >> np.uint64(48)) & np.uint64(0xFF)) != 0
-            elig = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0)
+            pinned = ((w3 >> np.uint64(56)) & np.uint64(FLAG_PINNED)) != 0
+            elig = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
             if t >= n and picked:
                 elig &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
             vict = np.flatnonzero(elig & ~ref)[:m - got]
@@ -844,7 +852,7 @@ class Allocator:
         """
         q = self.meta_q
         q[g, 0] = (((q[g, 0] >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(FREE)
-        q[g, 3] &= np.uint64(0xFF000000_FFFFFFFF)  # owner 0, ref 0; length and byte 31 kept
+        q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept
         if _cp.ARMED is not None:
             _cp.hit("evict.block_mid")
         order = np.argsort(heads, kind="stable")
@@ -944,10 +952,14 @@ class Allocator:
                 self.ctx.locks.release(CLASS_LOCK_BASE + c)
 
     def _slab_evictable(self, h: int, info: ClassInfo) -> bool:
+        """No block of the slab is owned by a live process or pinned (LIVE with FLAG_PINNED)."""
         for i in range(info.bps):
             m = self.meta_off(h * self.U + i * info.block)
+            state = U64.unpack_from(self.mm, m)[0] & 3
+            if state == LIVE and self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
+                return False
             owner = U16.unpack_from(self.mm, m + 28)[0]
-            if owner and U64.unpack_from(self.mm, m)[0] & 3 != FREE and self.ctx.slot_alive(owner):
+            if owner and state != FREE and self.ctx.slot_alive(owner):
                 return False
         return True
 
@@ -998,7 +1010,7 @@ class Allocator:
             if busy.any():
                 gb = g[busy]
                 q[gb, 0] = (((words[busy] >> 2) + 1) << 2) | FREE
-                q[gb, 3] &= np.uint64(0xFF000000_FFFFFFFF)  # owner 0, ref 0; length and byte 31 kept
+                q[gb, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept
                 self._add_used(info.cid, -int(busy.sum()))
             self._partial_remove(info.cid, h)
             s = self._slab(h)

@@ -349,8 +349,11 @@ class Index:
         store_u64(mm, eh + 16, 0)
         mm[eh:eh + ENTRY_SIZE] = _ZERO_ENTRY
 
-    def clock_victim(self, shard: int, is_referenced):
-        """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset)."""
+    def clock_victim(self, shard: int, is_referenced, is_pinned=None):
+        """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset).
+
+        When every entry stays referenced for two sweeps, the first one not `is_pinned` is taken.
+        """
         hdr = self.off_hdr + shard * SHARD_HEADER
         count, hand = SHARD_STRUCT.unpack_from(self.mm, hdr)
         hand &= self.mask
@@ -360,7 +363,7 @@ class Index:
             hand = (hand + 1) & self.mask
             if word == 0:
                 continue
-            if fallback is None:
+            if fallback is None and not (is_pinned is not None and is_pinned(offset)):
                 fallback = (ed, word, offset)
             if is_referenced(offset, clear=True):
                 continue

@@ -155,3 +155,22 @@ def test_a_pool_whose_creator_died_mid_format_is_formatted_again_on_restart(pool
     keys = prompt_keys(4, "after-restart")
     assert backend.batch_set_v1(keys, page_indices(host, 0, 4)) == [True] * 4
     assert backend.batch_exists(keys) == 4
+
+
+def test_the_namespace_record_is_pinned_and_survives_a_pool_full_of_pages(make_instance):
+    """A full pool evicts: the namespace record (the clear() nonce) must not be among the victims, or a
+    process that never saw the nonce would draw another and miss every page of the namespace."""
+    from maru_shm.index import key_digest
+    host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16, size="64M")
+    hh.fill_random(host, seed=5)
+    backend.batch_exists(prompt_keys(1, "warm"))  # reads (and if needed writes) the record
+    rec = f"__maru_ns__/{backend._ns_base}"
+    store = backend.store
+    off = store.index.find(key_digest(rec))[1]
+    assert store.mm[store.alloc.meta_off(off) + 31] & 1  # FLAG_PINNED
+    nonce = store.get(rec)
+    for r in range(40):  # 640 pages of 128 KiB through a 64 MiB pool: it evicts all the time
+        keys = prompt_keys(16, f"fill{r}")
+        backend.batch_set_v1(keys, page_indices(host, 0, 16))
+    assert store.stats()["evictions"] > 0
+    assert store.get(rec) == nonce

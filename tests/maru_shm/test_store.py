@@ -347,3 +347,38 @@ def test_a_path_that_cannot_be_a_pool_is_a_store_error(path):
         Store.open(path, "4M", create=True)
     with pytest.raises(StoreError):
         Store.open(path)
+
+
+# ---------------------------------------------------------------- pinned values survive eviction
+
+def test_a_pinned_value_survives_a_pool_that_evicts_everything_else(open_store):
+    s = open_store("8M")
+    assert s.put("__ns__", b"nonce-0123456789") and s.pin("__ns__")
+    assert not s.pin("absent")
+    for i in range(3000):  # 4 KiB and 128 KiB values: many times the pool, in the pinned value's class too
+        s.put(f"filler{i}", bytes([i % 251]) * (4096 if i % 3 else 131072))
+    st = s.stats()
+    assert st["evictions"] > 1000
+    assert s.get("__ns__") == b"nonce-0123456789"
+    assert s.check().ok
+
+
+def test_a_pin_ends_with_its_value_and_is_bounded(open_store):
+    from maru_shm import StoreError
+    from maru_shm.store import PIN_LIMIT
+    s = open_store("8M")
+    s.put("k", b"v1")
+    assert s.pin("k")
+    s.put("k", b"v2")  # a new lifetime: not pinned until pinned again
+    d = key_digest("k")
+    m = s.alloc.meta_off(s.index.find(d)[1])
+    assert s.mm[m + 31] == 0
+    with pytest.raises(ValueTooLargeError):
+        s.put("big", bytes(8192)) and s.pin("big")
+    for i in range(PIN_LIMIT - 1):
+        s.put(f"p{i}", b"x")
+        assert s.pin(f"p{i}")
+    s.put("one-too-many", b"x")
+    with pytest.raises(StoreError, match="pinned"):
+        s.pin("one-too-many")
+    assert s.pin("k")  # re-pinning a key already counted is fine
