@@ -22,12 +22,12 @@ import time
 import numpy as np
 
 from .allocator import Allocator
-from .check import CheckReport, _block_starts, _class_entry_problem
+from .check import CheckReport, _bad_heads, _block_starts, _class_entry_problem
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
                      LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
                      RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
-                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, U64)
+                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
 from .index import Index
 from .locks import flock_bytes, lock_name
 
@@ -68,8 +68,9 @@ class ReadLocks:
         os.close(self.fd)
 
 
-class _NoLocks:
-    """A DAX pool whose side lock file does not exist: no process attached since boot, so none holds a lock."""
+class NoLocks:
+    """For a caller that holds every lock already (repair), or a DAX pool whose side lock file does not
+    exist (no process attached since boot, so none holds a lock)."""
 
     def acquire(self, lock_id: int) -> bool:
         return False
@@ -115,29 +116,35 @@ class _Domain:
 def check_live(view, *, timeout: float = 10.0, progress=None) -> CheckReport:
     """Check the pool mapped by `view` (a PoolView) while others use it; never writes to it."""
     pool = _Pool(view)
-    locks = _NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
-    report = CheckReport()
+    locks = NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
     try:
-        with _Domain(locks, LOCK_CLASSTAB, report):
-            classes = _check_class_table(pool, report)
-        with _Domain(locks, LOCK_POOL, report):
-            _check_units(pool, report)
-        candidates = []
-        for n, c in enumerate(classes):
-            with _Domain(locks, CLASS_LOCK_BASE + c, report):
-                candidates += _check_class(pool, c, report)
-            if progress:
-                progress(n + 1, len(classes))
-        named: set = set()
-        for s in range(pool.geo.index_shards):
-            with _Domain(locks, SHARD_LOCK_BASE + s, report):
-                _check_shard(pool, s, report, named)
-        _report_orphans(pool, locks, report, candidates, named)
-        with _Domain(locks, LOCK_PROC, report):
-            _check_processes(pool, report)
+        return check_domains(pool, locks, progress)
     finally:
         locks.close()
         pool.release_views()
+
+
+def check_domains(pool, locks, progress=None) -> CheckReport:
+    """Every rule of FORMAT.md, domain by domain, each under its lock from `locks` (NoLocks when the caller
+    holds them all, as repair does). `pool` offers mm, geo, alloc, index and slot_alive(owner + 1)."""
+    report = CheckReport()
+    with _Domain(locks, LOCK_CLASSTAB, report):
+        classes = _check_class_table(pool, report)
+    with _Domain(locks, LOCK_POOL, report):
+        _check_units(pool, report)
+    candidates = []
+    for n, c in enumerate(classes):
+        with _Domain(locks, CLASS_LOCK_BASE + c, report):
+            candidates += _check_class(pool, c, report)
+        if progress:
+            progress(n + 1, len(classes))
+    named: set = set()
+    for s in range(pool.geo.index_shards):
+        with _Domain(locks, SHARD_LOCK_BASE + s, report):
+            _check_shard(pool, s, report, named)
+    _report_orphans(pool, locks, report, candidates, named)
+    with _Domain(locks, LOCK_PROC, report):
+        _check_processes(pool, report)
     return report
 
 
@@ -193,19 +200,10 @@ def _check_units(pool, report) -> None:
 
 
 def _slabs_of(pool, c: int) -> list[int]:
-    """Heads of class c's slabs that do not overlap an earlier slab (the slabs _check_units accepts)."""
-    g, alloc = pool.geo, pool.alloc
-    covered = np.zeros(g.n_units, dtype=bool)
-    heads = []
-    for h in np.flatnonzero(alloc.states == UNIT_HEAD).tolist():
-        cc = int(alloc.clsfield[h])
-        info = alloc.classes[cc] if cc < len(alloc.classes) else None
-        if info is None or h + info.k > g.n_units or covered[h:h + info.k].any():
-            continue
-        covered[h:h + info.k] = True
-        if cc == c:
-            heads.append(h)
-    return heads
+    """Heads of class c's slabs that are usable (not among check._bad_heads, which _check_units reports)."""
+    alloc = pool.alloc
+    bad = {h for h, _ in _bad_heads(pool)}
+    return [h for h in np.flatnonzero((alloc.states == UNIT_HEAD) & (alloc.clsfield == c)).tolist() if h not in bad]
 
 
 def _check_class(pool, c: int, report) -> list[tuple]:

@@ -252,3 +252,17 @@ def children(tmp_path):
     c = Children(str(tmp_path))
     yield c
     c.cleanup()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 24 MiB tmpfs of the test's own (as a Docker container's 64 MiB /dev/shm is small for a pool)."""
+    import subprocess
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M,mode=1777", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

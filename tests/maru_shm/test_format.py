@@ -427,20 +427,6 @@ def test_planning_an_absurd_size_does_not_spin():
         assert size - (g.off_data + g.n_units * g.unit_size) < 2 * g.unit_size + (64 << 10)  # nearly all used
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 16 MiB tmpfs of our own (as Docker's 64 MiB /dev/shm is too small for a big pool)."""
-    import subprocess
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M,mode=1777", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_creating_a_pool_larger_than_its_tmpfs_fails_cleanly(small_tmpfs):
     """Run in a child: if creation ever left unbacked pages, the first put would die with SIGBUS."""
     import subprocess

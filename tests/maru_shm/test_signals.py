@@ -173,18 +173,6 @@ def test_calls_after_close_raise_pool_closed(pool_path):
 
 # ---------------------------------------------------------------- a tmpfs too small for the pool
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M,mode=1777", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_attaching_to_a_sparse_pool_that_cannot_be_backed_is_refused(small_tmpfs):
     """A pool file larger than its tmpfs's free space with holes in it (made sparse, as older code or
     `truncate -s` leave it): opening it must fail clearly, and no put may ever meet an unbacked page."""

@@ -640,3 +640,11 @@ def test_check_lets_writers_work_and_finds_nothing_on_a_busy_healthy_pool(pool_p
         for t in ts:
             t.join()
     assert all(n > 0 for n in done)
+
+
+def test_no_command_blocks_on_a_fifo_at_the_pool_path(tmp_path):
+    fifo = tmp_path / "pool"
+    os.mkfifo(fifo)
+    for args in (("inspect", fifo), ("check", fifo), ("watch", fifo, "--count", "1")):
+        r = run(*args, timeout=20)  # a read-only open of a FIFO used to wait for a writer forever
+        assert_error(r, "neither a regular file nor a DAX device")
