@@ -297,45 +297,52 @@ class MaruStorage(HiCacheStorage):
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         """Load one flat page into `target_location` (exact length required); the tensor or None."""
-        try:
-            if target_location is None:
-                return None
-            ok = self.store.batch_get_pieces([key], [self._tensor_piece(target_location)],
-                                             digests=self._digests([key]))[0]
-            with self._lock:
-                self._stats["hits" if ok else "misses"] += 1
-            return target_location if ok else None
-        except Exception as e:
-            self._log_once("get", e)
+        if target_location is None:
             return None
+        return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
-        targets = target_locations or [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets)]
+        """Legacy batch load into flat page tensors; counted in get_stats() exactly as batch_get_v1."""
+        if not keys:
+            return []
+        if target_locations is None or any(t is None for t in target_locations):
+            return [None] * len(keys)
+        try:
+            t0 = time.perf_counter()
+            pieces = [self._tensor_piece(t) for t in target_locations]
+            res = self.store.batch_get_pieces(keys, pieces, digests=self._digests(keys))
+            self._account(res, t0, read=True)
+            return [t if ok else None for t, ok in zip(target_locations, res)]
+        except Exception as e:
+            self._log_once("batch_get", e)
+            return [None] * len(keys)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
-        if not self.is_writer:
-            return True
-        try:
-            if value is None:
-                return False
-            value = value.contiguous() if isinstance(value, torch.Tensor) else value
-            res = self.store.batch_put_pieces([key], [self._tensor_piece(value)], skip_existing=True,
-                                              digests=self._digests([key]))
-            return bool(res[0])
-        except Exception as e:
-            self._log_once("set", e)
-            return False
+        return self.batch_set([key], [value])
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        if not keys:
+        """Legacy batch store of flat page tensors: pages present are skipped, as in batch_set_v1, and the
+        call is counted in get_stats() exactly as batch_set_v1."""
+        if not keys or not self.is_writer:
             return True
-        if values is None:
+        if values is None or any(v is None for v in values):
             return False
-        return all([self.set(k, v) for k, v in zip(keys, values)])
+        try:
+            t0 = time.perf_counter()
+            values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+            pieces = np.array([self._tensor_piece(v) for v in values], dtype=np.int64)  # (n, 1, 2)
+            sizes = set(pieces[:, 0, 1].tolist())
+            if len(sizes) != 1:
+                raise ValueError(f"legacy pages of different sizes in one batch: {sorted(sizes)}")
+            res, written = store_pages(self.store, keys, self._digests(keys), pieces, sizes.pop())
+            self._account(res, t0, read=False, written=written)
+            return all(res)
+        except Exception as e:
+            self._log_once("batch_set", e)
+            return False
 
     def exists(self, key: str) -> bool:
         try:

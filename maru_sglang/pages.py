@@ -39,26 +39,33 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
                 page_bytes: int) -> Tuple[List[bool], int]:
     """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
 
-    Pages present count as stored and are not copied again (another instance
-    wrote them first: same key, same bytes). The presence check is a hint,
-    made before the copy: only keys whose entry sits in its home slot (cheap
-    to ask, and where a present key almost always is) are looked up in full;
-    a present key displaced from its home slot is written again, replacing
-    the old copy. Anything else stored under a key is replaced.
+    A page present is never written again (another instance wrote it first: same key, same bytes), and
+    a key named twice in one call keeps its first copy, as SGLang's HiCacheFile does. Keys whose entry
+    sits in its home slot (cheap to ask, and where a present key almost always is) are looked up before
+    the copy; the others are written with the exact check under their shard lock at publication
+    (skip_existing, assume_absent), which keeps a present key displaced from its home slot.
     """
-    present = np.zeros(len(keys), dtype=bool)
-    maybe = np.flatnonzero(store.home_hits(digests))
+    n = len(keys)
+    first = np.ones(n, dtype=bool)
+    if len(set(keys)) != n:
+        seen: set = set()
+        for i, k in enumerate(keys):
+            first[i] = k not in seen
+            seen.add(k)
+    present = ~first
+    maybe = np.flatnonzero(store.home_hits(digests) & first)
     if maybe.size:
         found = store.resolve(digests[maybe], full=False)
         present[maybe] = found.ok & (found.lengths == page_bytes)
     todo = np.flatnonzero(~present)
     if not todo.size:
-        return [True] * len(keys), 0
-    if todo.size == len(keys):
-        return store.batch_put_pieces(keys, pieces, digests=digests), len(keys)
-    res = [True] * len(keys)
+        return [True] * n, 0
+    if todo.size == n:
+        return store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True), n
+    res = [True] * n
     sel = todo.tolist()
-    put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], digests=digests[todo])
+    put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], skip_existing=True, digests=digests[todo],
+                                 assume_absent=True)
     for i, ok in zip(sel, put):
         res[i] = ok
     return res, len(sel)

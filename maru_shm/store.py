@@ -776,16 +776,19 @@ class Store:
 
     @_entry
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
-                         skip_existing: bool = False, *, digests=None) -> list[bool]:
+                         skip_existing: bool = False, *, digests=None, assume_absent: bool = False) -> list[bool]:
         """Store many values; per key True once committed and visible (or already present with skip_existing).
 
         With skip_existing the check is atomic: a key that another process
         publishes first, even while this call copies, keeps its value.
+        assume_absent (with skip_existing) drops the lookup before the copy, for a caller that knows
+        the keys are almost surely new: a present key is then still kept, by the check under its shard
+        lock at publication, at the cost of one wasted copy.
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
         """
         mine: dict[int, int] = {}  # offset -> word of each block this call owns and has not published
         try:
-            return self._put_many(keys, pieces_list, skip_existing, mine, digests)
+            return self._put_many(keys, pieces_list, skip_existing, mine, digests, assume_absent)
         except BaseException:
             self._settle(mine)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
             raise
@@ -804,7 +807,7 @@ class Store:
             pass  # still owned by this slot: close() or a reaper settles them
 
     def _put_many(self, keys: Sequence, pieces_list: Sequence[Pieces], skip_existing: bool,
-                  mine: dict[int, int], digests=None) -> list[bool]:
+                  mine: dict[int, int], digests=None, assume_absent: bool = False) -> list[bool]:
         """Reserve (class locks), copy and commit (no lock), publish (the batch's shard locks, taken together).
 
         Per-key Python is the cost on small pages, so every step that can be is
@@ -824,7 +827,7 @@ class Store:
         lengths = piece_lengths(pieces_list) if small else table.lengths.tolist()
         halves = darr.view("<u8")
         res = [False] * n
-        present = resolve(self, darr, full=False).ok.tolist() if skip_existing else None
+        present = resolve(self, darr, full=False).ok.tolist() if skip_existing and not assume_absent else None
         groups: dict[int, tuple] = {}
         max_value = self.geo.max_value
         if not small and present is None and min(lengths) == max(lengths):  # a batch of pages: one class

@@ -177,3 +177,41 @@ def test_value_of_another_length_is_never_loaded(mha_llama, delta):
     assert backend.batch_exists(keys) == 3
     assert backend.batch_get_v1(keys[1:2], dst[1:2]) == [True]
     assert page_bytes(host, dst[1:2]) == want[1:2]
+
+
+def test_a_present_page_is_never_written_again_wherever_its_index_entry_sits(make_instance):
+    """720 keys stored, then each offered again with other bytes: every key keeps its first copy, also the
+    ~1 % whose entries are displaced from their home slot (the presence hint does not see those)."""
+    host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16, size="256M")
+    idx = page_indices(host, 0, 16)
+    firsts = {}
+    for r in range(45):
+        hh.fill_random(host, seed=100 + r)
+        keys = prompt_keys(16, f"twice-{r}")
+        assert backend.batch_set_v1(keys, idx) == [True] * 16
+        firsts.update(zip(keys, page_bytes(host, idx)))
+    store = backend.store
+    displaced = 0
+    for r in range(45):
+        keys = prompt_keys(16, f"twice-{r}")
+        displaced += int((~store.home_hits(backend._digests(keys))).sum())
+        hh.fill_random(host, seed=900 + r)  # other bytes under the same keys
+        assert backend.batch_set_v1(keys, idx) == [True] * 16
+    assert displaced > 0, "no entry displaced from its home slot: the test would not test the exact skip"
+    for r in range(45):
+        keys = prompt_keys(16, f"twice-{r}")
+        hh.zero_pages(host, idx)
+        assert backend.batch_get_v1(keys, idx) == [True] * 16
+        assert page_bytes(host, idx) == [firsts[k] for k in keys]
+
+
+def test_a_key_named_twice_in_one_call_keeps_its_first_copy(make_instance):
+    host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16)
+    hh.fill_random(host, seed=21)
+    idx = page_indices(host, 0, 4)
+    want = page_bytes(host, idx)
+    keys = prompt_keys(3, "dup")
+    assert backend.batch_set_v1([keys[0], keys[1], keys[0], keys[2]], idx) == [True] * 4
+    hh.zero_pages(host, idx)
+    assert backend.batch_get_v1(keys, idx[:3]) == [True] * 3
+    assert page_bytes(host, idx[:3]) == [want[0], want[1], want[3]]

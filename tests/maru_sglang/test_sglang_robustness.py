@@ -174,3 +174,29 @@ def test_the_namespace_record_is_pinned_and_survives_a_pool_full_of_pages(make_i
         backend.batch_set_v1(keys, page_indices(host, 0, 16))
     assert store.stats()["evictions"] > 0
     assert store.get(rec) == nonce
+
+
+def test_legacy_and_v1_report_the_same_metrics(make_instance):
+    """160 pages written and read back through the legacy calls show in get_stats() as through v1."""
+    stats = {}
+    for v1 in (True, False):
+        host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16, v1=v1,
+                                      size="128M")
+        hh.fill_random(host, seed=11)
+        backend.get_stats()  # drain what registration left
+        for r in range(10):
+            keys = prompt_keys(16, f"metrics-{v1}-{r}")
+            if v1:
+                assert backend.batch_set_v1(keys, page_indices(host, 0, 16)) == [True] * 16
+                assert backend.batch_get_v1(keys, page_indices(host, 0, 16)) == [True] * 16
+            else:
+                assert backend.batch_set(keys, [host.get_data_page(i) for i in range(16)]) is True
+                got = backend.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys])
+                assert all(p is not None for p in got)
+        m = backend.get_stats()
+        stats[v1] = (sum(m.backup_pgs), sum(m.prefetch_pgs), len(m.backup_bandwidth), len(m.prefetch_bandwidth),
+                     {k: m.maru[k] for k in ("sets", "set_skipped", "hits", "misses", "bytes_written",
+                                             "bytes_read")})
+        backend.close()
+    assert stats[True] == stats[False]
+    assert stats[False][0] == 160 and stats[False][4]["sets"] == 160
