@@ -16,9 +16,10 @@ import numpy as np
 
 from .allocator.classes import planned_geometric
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, FREE, KIND_EXACT, KIND_UNUSED,
-                     LIVE, LOCK_CLASSTAB, LOCK_POOL, SHARD_LOCK_BASE, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32,
+                     LOCK_CLASSTAB, LOCK_POOL, SHARD_LOCK_BASE, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32,
                      next_word, store_u64)
 from .locks import lock_name
+from .validity import entry_problem
 
 
 @dataclasses.dataclass
@@ -189,7 +190,7 @@ def _repair_all(store, classes) -> int:
         del words
     for s in range(g.index_shards):
         kept, dropped = store.index.rebuild(s, lambda d, w, o: _readable(store, d, w, o),
-                                            salvage=store._entry_salvage)
+                                            salvage=store.publisher.entry_salvage)
         fixes += dropped
     for c in classes:
         fixes += alloc.repair_class(c)
@@ -197,12 +198,8 @@ def _repair_all(store, classes) -> int:
 
 
 def _readable(store, d: bytes, word: int, offset: int) -> bool:
-    """Would a reader accept this index entry (docs/FORMAT.md section 8)? A LIVE block start of a usable
-    slab whose meta has the entry's word and digest and a length within the block."""
-    if word & 3 != LIVE or not store._entry_valid(d, word, offset):
-        return False
-    loc = store.alloc.block_index(offset)
-    return loc is not None and U32.unpack_from(store.mm, store.alloc.meta_off(offset) + 24)[0] <= loc[1].block
+    """Would a reader accept this index entry (validity.py, rules 1-5)?"""
+    return entry_problem(store.mm, store.geo, store.alloc, d, word, offset) is None
 
 
 def _block_starts(store) -> np.ndarray:

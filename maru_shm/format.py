@@ -160,6 +160,18 @@ class Geometry:
     def index_slots(self) -> int:
         return self.index_shards * self.shard_slots
 
+    def meta_of(self, offset: int) -> int:
+        """File offset of the block meta of the granule holding data offset `offset`."""
+        return self.off_blockmeta + (offset // self.granule) * META_SIZE
+
+    def slab_of(self, offset: int) -> int:
+        """File offset of the slab table entry of the unit holding data offset `offset`."""
+        return self.off_slabs + (offset // self.unit_size) * SLAB_ENTRY
+
+    def slot_of(self, slot: int) -> int:
+        """File offset of process table entry `slot`."""
+        return self.off_procs + slot * PROC_ENTRY
+
     @staticmethod
     def plan(file_size: int, *, granule: int = 4096, unit_size: int = 256 << 10,
              max_value: int = 64 << 20, index_slots: int | None = None,

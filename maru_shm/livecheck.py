@@ -29,6 +29,7 @@ from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, F
                      RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
                      SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
 from .index import Index
+from .validity import entry_problem
 from .locks import flock_bytes, lock_name
 
 
@@ -209,7 +210,7 @@ def _slabs_of(pool, c: int) -> list[int]:
 def _check_class(pool, c: int, report) -> list[tuple]:
     """CLASS c held (its slabs, blocks, counts and partial list change only under it): check them; return
     the LIVE blocks owned by no live process, (offset, word, digest), for the orphan pass."""
-    g, alloc, mm = pool.geo, pool.alloc, pool.mm
+    alloc, mm = pool.alloc, pool.mm
     info = alloc.classes[c] if c < len(alloc.classes) else None
     co = alloc._cls_off(c)
     if info is None:
@@ -325,13 +326,9 @@ def _check_shard(pool, s: int, report, named: set) -> None:
         if d in seen:
             report.problem(f"{where}: duplicate key digest")
         seen.add(d)
-        loc = alloc.block_index(offset) if 0 <= offset < g.data_bytes else None
-        if loc is None:
-            report.problem(f"{where}: offset {offset} is not a block start in the data area")
-            continue
-        mword, md, length = META_STRUCT.unpack_from(mm, alloc.meta_off(offset))[:3]
-        if mword != word or word & 3 != LIVE or md != d or length > loc[1].block:
-            report.problem(f"{where}: block at {offset} does not hold this committed value")
+        problem = entry_problem(mm, g, alloc, d, word, offset)
+        if problem:
+            report.problem(f"{where}: {problem}")
             continue
         if (offset, word) in named:
             report.problem(f"{where}: block at {offset} referenced twice")

@@ -8,6 +8,6 @@ so no class can calcify.
 """
 
 from .classes import geometric_sizes, slab_shape
-from .slabs import Allocator
+from .slabs import SMALL_BATCH, Allocator
 
-__all__ = ["Allocator", "geometric_sizes", "slab_shape"]
+__all__ = ["Allocator", "SMALL_BATCH", "geometric_sizes", "slab_shape"]

@@ -24,6 +24,7 @@ from ..format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSIO
                       store_u64)
 from .. import crashpoints as _cp
 from .classes import exact_slab_floor, planned_geometric, slab_shape
+from .host import AllocatorHost
 
 # Demand counters (FORMAT.md section 4): every class's counter halves each time the pool has allocated
 # data_bytes / DEMAND_EPOCH_DIV bytes (an epoch).
@@ -55,12 +56,12 @@ class ClassInfo:
 
 
 class Allocator:
-    """Allocator over one mapped pool; `ctx` is the Store (mm, geo, locks, index, slot, liveness)."""
+    """Allocator over one mapped pool; `host` answers what only the layer above knows (host.AllocatorHost)."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.mm = ctx.mm
-        g = ctx.geo
+    def __init__(self, host: AllocatorHost):
+        self.host = host
+        self.mm = host.mm
+        g = host.geo
         self.geo = g
         self.U = g.unit_size
         self.G = g.granule
@@ -170,7 +171,7 @@ class Allocator:
             return self.classes[self.exact[n]]
         if n < self.G or n > self.geo.max_value:
             raise ValueError(f"exact size {n} outside [{self.G}, {self.geo.max_value}]")
-        with self.ctx.locks.hold(LOCK_CLASSTAB):
+        with self.host.locks.hold(LOCK_CLASSTAB):
             self._classes_version = -1
             self.refresh_classes()
             if n in self.exact:
@@ -353,7 +354,7 @@ class Allocator:
         rebuilt = False
         # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
         rounds = m + 2 * self.n_units + 4
-        with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
+        with self.host.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda: self.repair_class(cid)):
             self._add_demand(cid, (m - len(out)) * info.block)
             while len(out) + len(pending) < m and rounds > 0:
                 rounds -= 1
@@ -523,7 +524,7 @@ class Allocator:
         need = -(-nblocks // info.bps)
         if nblocks >= info.bps:
             need += 1  # a batch that fills whole slabs formats one more: the next batch finds it partial
-        with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
+        with self.host.locks.hold(LOCK_POOL, repair=self.repair_pool):
             runs = self.find_free_runs(info.k, need)
             for u in runs:
                 self._format_slab(u, info)
@@ -535,7 +536,7 @@ class Allocator:
         if self.evict_blocks(info, nblocks):
             return True
         if not move:
-            with self.ctx.locks.hold(LOCK_POOL, repair=self.repair_pool):
+            with self.host.locks.hold(LOCK_POOL, repair=self.repair_pool):
                 return self._move_slab(info)
         return False
 
@@ -608,7 +609,7 @@ class Allocator:
         voffs = vheads * self.U + vindex * info.block
         vwords = vq[:, 0]
         lens = vq[:, 3] & np.uint64(0xFFFFFFFF)
-        gone = self.ctx.unpublish_many(vq[:, 1:3], voffs.astype(np.uint64), vwords)
+        gone = self.host.unpublish_many(vq[:, 1:3], voffs.astype(np.uint64), vwords)
         # Free what we unpublished, and orphans (LIVE, unowned, not indexed); a block whose word moved on,
         # or that another process claimed by unpublishing it first, is not ours to free.
         freed = evicted = evicted_bytes = 0
@@ -636,7 +637,7 @@ class Allocator:
                     evicted_bytes += n_bytes
                 if _cp.ARMED is not None:
                     _cp.hit("evict.block_mid")
-        self.ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
+        self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
         return freed
 
     def find_free_run(self, k: int) -> int | None:
@@ -794,13 +795,13 @@ class Allocator:
                     items = rest
                 if not items:
                     continue
-            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+            with self.host.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
                 freed += self._free_listed(cid, items)
         return freed
 
     def _owned_by_live(self, meta_off: int) -> bool:
         owner = U16.unpack_from(self.mm, meta_off + META_OWNER_OFF)[0]
-        return bool(owner) and self.ctx.slot_alive(owner)
+        return bool(owner) and self.host.slot_alive(owner)
 
     def _ours_to_keep(self, cid: int, off: int, word: int, owner: int) -> bool:
         """Is `off` a block start of a slab of class cid whose meta still has this word and owner?"""
@@ -934,7 +935,7 @@ class Allocator:
                 if cinfo is None or h + cinfo.k > self.n_units:
                     return False
                 if c != my_cid and c not in locked:
-                    r = self.ctx.locks.acquire(CLASS_LOCK_BASE + c, blocking=False)
+                    r = self.host.locks.acquire(CLASS_LOCK_BASE + c, blocking=False)
                     if r is None:
                         return False
                     locked.append(c)
@@ -949,7 +950,7 @@ class Allocator:
             return True
         finally:
             for c in locked:
-                self.ctx.locks.release(CLASS_LOCK_BASE + c)
+                self.host.locks.release(CLASS_LOCK_BASE + c)
 
     def _slab_evictable(self, h: int, info: ClassInfo) -> bool:
         """No block of the slab is owned by a live process or pinned (LIVE with FLAG_PINNED)."""
@@ -959,7 +960,7 @@ class Allocator:
             if state == LIVE and self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
                 return False
             owner = U16.unpack_from(self.mm, m + 28)[0]
-            if owner and state != FREE and self.ctx.slot_alive(owner):
+            if owner and state != FREE and self.host.slot_alive(owner):
                 return False
         return True
 
@@ -971,7 +972,7 @@ class Allocator:
         whose blocks a live process claimed meanwhile is not freed (the window
         then stays short of free units: the caller looks for a free run anyway).
         """
-        ctx = self.ctx
+        host = self.host
         live, live_len = [], []
         for h, info in slabs:
             for i in range(info.bps):
@@ -983,7 +984,7 @@ class Allocator:
         gone = []
         if live:
             halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
-            gone = ctx.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
+            gone = host.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
                                       np.array([w for _, _, w in live], dtype=np.uint64)).tolist()
         evicted = sum(gone)
         evicted_bytes = sum(n for n, g in zip(live_len, gone) if g)
@@ -1023,7 +1024,7 @@ class Allocator:
                     self._set32(self._slab(t), UNIT_FREE)
             o = self._cls_off(info.cid) + CLS_NSLABS
             self._set32(o, max(0, self._get32(o) - 1))
-        ctx.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
+        host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                   orphans_freed=len(live) - evicted)
 
     # -- repair -------------------------------------------------------------------
@@ -1049,7 +1050,7 @@ class Allocator:
         for t in np.flatnonzero((self.states == UNIT_TAIL) & ~covered):
             self._set32(self._slab(int(t)), UNIT_FREE)
             fixes += 1
-        self.ctx.count(repairs=1)
+        self.host.count(repairs=1)
         return fixes
 
     def class_slabs(self, cid: int) -> list[int]:
@@ -1085,14 +1086,14 @@ class Allocator:
                     continue
                 if state not in (RESERVED, LIVE) or length > info.block:
                     damaged.add(off)
-                elif owner and self.ctx.slot_alive(owner):
+                elif owner and self.host.slot_alive(owner):
                     continue  # a live writer's block (in flight or being unpublished): it settles it
                 elif state == RESERVED:
                     drop.add(off)
                 else:
                     ask.append((d, off, word, owner))
         if ask:
-            for (_, off, _, _), indexed in zip(ask, self.ctx.indexed_many(ask)):
+            for (_, off, _, _), indexed in zip(ask, self.host.indexed_many(ask)):
                 if not indexed:
                     drop.add(off)
         freed = 0
@@ -1127,7 +1128,7 @@ class Allocator:
                 self._partial_push(cid, h)
         self._set32(co + CLS_NSLABS, len(heads))
         self._set32(co + CLS_USED, used_total)
-        self.ctx.count(repairs=1, orphans_freed=freed)
+        self.host.count(repairs=1, orphans_freed=freed)
         return freed
 
     def resolve_owned(self, blocks, dead_owner: int) -> int:
@@ -1143,7 +1144,7 @@ class Allocator:
                 by_class.setdefault(info.cid, []).append(off)
         freed = 0
         for cid, offs in by_class.items():
-            with self.ctx.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
+            with self.host.locks.hold(CLASS_LOCK_BASE + cid, repair=lambda c=cid: self.repair_class(c)):
                 settle = []  # (offset, block location, keep)
                 ask, where = [], {}
                 for off in offs:
@@ -1161,7 +1162,7 @@ class Allocator:
                     else:
                         settle.append((off, loc, False))
                 if ask:
-                    kept = self.ctx.indexed_many(ask)  # clears the owner of the indexed ones
+                    kept = self.host.indexed_many(ask)  # clears the owner of the indexed ones
                     settle += [(off, where[off], k) for (_, off, _, _), k in zip(ask, kept)]
                 for off, loc, keep in settle:
                     if not keep:

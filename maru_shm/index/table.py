@@ -3,7 +3,7 @@
 Each shard is its own linear-probing table with its own lock, so writers of
 different keys rarely meet. Readers take no lock: they may see an entry
 mid-update, which is why a hit is only believed after the block meta agrees
-(see Store._validate). Deletion shifts later entries back (no tombstones), and
+(see maru_shm.validity). Deletion shifts later entries back (no tombstones), and
 a shard never exceeds 7/8 load: the writer evicts a cold entry first.
 """
 

@@ -305,7 +305,7 @@ def _slab_off(store, u):
 
 
 def _block_of(store, key):
-    return store._lookup(key_digest(key))[0]
+    return store.reader.lookup(key_digest(key))[0]
 
 
 @pytest.mark.parametrize("size", ["1M", "4M"])
@@ -547,9 +547,9 @@ def test_tail_naming_a_later_head_is_not_a_block_start(pool_path):
             pytest.skip("no TAIL/HEAD pair with a reachable negative block start")
         _u32(s, _slab_off(s, u) + 4, h2)
         assert s.alloc.block_index(off) is None
-        from maru_shm.resolve import _block_starts_ok
+        from maru_shm.validity import block_starts_ok
         import numpy as np
-        assert not _block_starts_ok(s, np.array([off], dtype=np.intp), np.array([1], dtype=np.intp))[0]
+        assert not block_starts_ok(s.alloc, s.geo, np.array([off], dtype=np.intp), np.array([1], dtype=np.intp))[0]
 
 
 def test_repair_drops_entries_a_reader_would_refuse(pool_path):

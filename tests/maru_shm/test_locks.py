@@ -184,7 +184,7 @@ def test_close_settles_blocks_it_still_owns(open_store, pool_path, make_value):
     # the slot is reused by the next process: nothing may look owned by it
     again = open_store(path=pool_path, create=False)
     assert again.slot == 1
-    assert again._owned_blocks(again.slot) == []
+    assert again.reaper.owned_blocks(again.slot) == []
 
 
 # ---------------------------------------------------------------- dirty records and repair

@@ -481,7 +481,7 @@ def test_every_crash_point_is_recovered(pool_path, children):
         assert s.get("bystander") == make_value("bystander", 1, 9000)  # nothing else lost
         for k in ("reserved", "committed", "orphan"):
             assert s.get(k) is None
-        assert s._owned_blocks(0) == [] and all(s._owned_blocks(p) == [] for p in range(4))
+        assert s.reaper.owned_blocks(0) == [] and all(s.reaper.owned_blocks(p) == [] for p in range(4))
         problems = s.check().problems  # the orphan is left to repair (or slab eviction)
         assert len(problems) == 1 and "orphan" in problems[0], problems
         assert s.check(repair=True).ok
@@ -537,7 +537,7 @@ def _slow_backward_shift(path, da, hole, ready_fd, class_lock, fake_holder):
     sh = s.index.shard_of(da)
     s.locks.acquire(SHARD_LOCK_BASE + sh)
     word, off = s.index.find(da)
-    s._claim_for_free(off, word)
+    s.publisher.claim_for_free(off, word)
     e = s.index.entry_off(sh, hole)
     store_u64(s.mm, e + 16, 0)  # first store of the shift: a lock-free probe for the next key stops here
     os.write(ready_fd, b"1")

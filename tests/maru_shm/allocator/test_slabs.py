@@ -358,7 +358,7 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
-    old_off, old_word, _, _ = s._lookup(key_digest("a"))
+    old_off, old_word, _, _ = s.reader.lookup(key_digest("a"))
     assert s.put("a", make_value("a", 2, 20_000))
     assert s.alloc.kept[info.cid] == [(old_off, old_word)]
     st = s.stats()
@@ -378,7 +378,7 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
         t0 = time.monotonic()
         assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
         assert time.monotonic() - t0 < 1.0
-        assert s._lookup(key_digest("b"))[0] == old_off
+        assert s.reader.lookup(key_digest("b"))[0] == old_off
         assert not s.alloc.kept[info.cid]
     finally:
         release.set()
@@ -446,27 +446,27 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     claimed = victims[0]
     d = key_digest(claimed)
     off, word = s.index.find(d)[1], s.index.find(d)[0]
-    real = s.unpublish_many
+    real = s.alloc.host.unpublish_many
 
     def claim_first(halves, offsets, words):  # "another" live process (here: this one) overwrites first
         sh = s.index.shard_of(d)
         with s.locks.hold(SHARD_LOCK_BASE + sh):
-            s._claim_for_free(off, word)
+            s.publisher.claim_for_free(off, word)
             s.index.remove(sh, d)
         s.alloc.kept.setdefault(info.cid, []).append((off, word))
         return real(halves, offsets, words)
 
-    s.unpublish_many = claim_first
+    s.alloc.host.unpublish_many = claim_first
     with s.locks.hold(CLASS_LOCK_BASE + info.cid), s.locks.hold(LOCK_POOL):
         s.alloc._evict_slabs([(h, info)])
-    s.unpublish_many = real
+    s.alloc.host.unpublish_many = real
     assert U32.unpack_from(s.mm, s.alloc._slab(h))[0] == UNIT_HEAD, "the slab stays in its class"
     assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
     assert all(s.get(k) is None for k in victims)
     assert s.stats()["held_blocks"] == 1 and s.stats()["slab_moves"] == 0
     assert s.check().ok
     assert s.put("new", make_value("new", 1, size))
-    assert s._lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
+    assert s.reader.lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
     assert s.check().ok
 
 
@@ -481,23 +481,23 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
     d = key_digest("a")
     word, off = s.index.find(d)
-    real = s.indexed_many
+    real = s.alloc.host.indexed_many
 
     def claim_first(ask):
         sh = s.index.shard_of(d)
         with s.locks.hold(SHARD_LOCK_BASE + sh):
-            s._claim_for_free(off, word)
+            s.publisher.claim_for_free(off, word)
             s.index.remove(sh, d)
         s.alloc.kept.setdefault(info.cid, []).append((off, word))
         return real(ask)
 
-    s.indexed_many = claim_first
+    s.alloc.host.indexed_many = claim_first
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
         assert s.alloc.repair_class(info.cid) == 0
-    s.indexed_many = real
+    s.alloc.host.indexed_many = real
     assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
     assert s.check().ok
     assert s.put("c", make_value("c", 1, 20_000))
-    assert s._lookup(key_digest("c"))[0] == off, "the next put reuses it"
-    assert s.put("e", make_value("e", 1, 20_000)) and s._lookup(key_digest("e"))[0] != off
+    assert s.reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
+    assert s.put("e", make_value("e", 1, 20_000)) and s.reader.lookup(key_digest("e"))[0] != off
     assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)

@@ -1,0 +1,85 @@
+"""This process's mapping of one pool, and the views every part of the store reads it through.
+
+An Attachment owns the open PoolFile (descriptors, mapping), the lock table, the index and allocator
+views, the fault-guard registration of the mapping and the header snapshot that proves the mapping still
+shows the pool it attached to. Parts of the store (process table, read path, write path, publisher) hold
+an Attachment and nothing else of each other's state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from . import faultguard
+from .errors import PoolDamagedError, StoreError
+from .format import STATE_OFF, Geometry
+from .index import Index
+from .locks import LockTable
+from .poolfile import PoolFile, regrow_truncated
+
+
+class Attachment:
+    """The mapped pool: `mm`, `geo`, `locks`, `index`, `alloc` (set by the Store), `data` (address)."""
+
+    def __init__(self, pf: PoolFile, timeout: float):
+        self.pf = pf
+        self.path = pf.path
+        self.mm = pf.mm
+        self.geo: Geometry = pf.geo
+        self.locks = LockTable(pf.lock_fd, pf.mm, pf.geo.off_locks, timeout)
+        self.index = Index(pf.mm, pf.geo)
+        self.alloc = None  # the Allocator: built by the Store, which provides its host
+        self._anchor = ctypes.c_char.from_buffer(pf.mm)
+        self.faults = faultguard.register(ctypes.addressof(self._anchor), pf.geo.file_size)
+        self.data = ctypes.addressof(self._anchor) + pf.geo.off_data  # address of data offset 0
+        self.header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what check_intact expects
+        self.damage: StoreError | None = None
+
+    # ---------------------------------------------------------------- damage
+    def check_intact(self) -> None:
+        """Refuse to go on with a mapping that lost pages or whose header changed under us.
+
+        A page of a shared mapping past the end of its file (the pool was truncated) or on a full tmpfs
+        delivers SIGBUS; faultguard absorbs it inside our mapping (zero page, counted), and this check
+        turns the count into PoolDamagedError. The header check catches a pool that was overwritten or
+        re-created by someone else. A shrunk file is grown back and marked for re-format (FORMAT.md
+        section 13), so that the next create=True opener formats it again.
+        """
+        if self.damage is not None:
+            raise self.damage
+        if self.faults.faults or self.mm[:STATE_OFF + 4] != self.header:
+            self.damage = self._diagnose()
+            raise self.damage
+
+    def _diagnose(self) -> PoolDamagedError:
+        if not self.pf.is_device:
+            size = os.fstat(self.pf.fd).st_size
+            if size < self.geo.file_size:
+                return regrow_truncated(self.pf.fd, self.path, size, self.geo.file_size)
+        if self.faults.faults:
+            return PoolDamagedError(
+                f"a page of {self.path} could not be backed under this process (SIGBUS absorbed: its file system "
+                "is full, or the file was truncated and grown again): the pool is damaged; close this store")
+        return PoolDamagedError(
+            f"the header of {self.path} changed under this process (the pool was overwritten or re-created): its "
+            "contents are gone; close this store and open the pool again")
+
+    # ---------------------------------------------------------------- teardown
+    def release(self, close_file: bool = True) -> None:
+        """Unregister the guard, drop every view, close the lock table and the file (unmapping it)."""
+        faultguard.unregister(self.faults)
+        try:
+            self.release_views()
+            self.locks.close()
+        finally:
+            if close_file:
+                self.pf.close()
+
+    def release_views(self) -> None:
+        """Drop every view of the mapping (numpy arrays, the ctypes anchor): mmap.close() refuses while any lives."""
+        if self.alloc is not None:
+            self.alloc.release_views()
+        self.index.release_views()
+        self.locks.release_views()
+        self._anchor = None

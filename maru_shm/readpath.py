@@ -1,0 +1,120 @@
+"""The read path: lock-free lookups and copies out of the pool (FORMAT.md section 8).
+
+A reader takes no lock. It believes an index entry only under the rule of validity.py, copies the
+value, then re-reads the block's meta word: a word changed during the copy means the block was reused
+under it, and the key reports a miss rather than torn bytes. A good copy sets the block's and its
+slab's ref bits for the CLOCKs (one byte store each: a lost race only makes a value look less used).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .allocator import SMALL_BATCH
+from .format import META_REF_OFF, SLAB_REF, U64
+from .pieces import Pieces, PieceTable, piece_lengths
+from .resolve import Resolved, resolve
+from .validity import Hit, block_start_problem, granule_shift, lookup
+
+RETRIES = 3  # a concurrent overwrite may move a key between lookup and copy: look again, briefly
+
+
+class ReadPath:
+    def __init__(self, att, counters):
+        self.att, self.counters = att, counters
+
+    def lookup(self, d: bytes) -> Hit | None:
+        att = self.att
+        return lookup(att.index, att.mm, att.geo, d)
+
+    def _mark_used(self, offset: int, meta: int) -> None:
+        mm = self.att.mm
+        mm[meta + META_REF_OFF] = 1
+        mm[self.att.geo.slab_of(offset) + SLAB_REF] = 1
+
+    def copy_out(self, hit: Hit, pieces: Pieces) -> bool:
+        """Copy one value into destination pieces; False if its block is unsafe or changed under the copy."""
+        if block_start_problem(self.att.alloc, hit.offset, hit.length):
+            return False  # not a block start of a formatted slab, or a length overrunning it: never copy
+        src = self.att.data + hit.offset
+        for addr, n in pieces:
+            ctypes.memmove(addr, src, n)
+            src += n
+        if U64.unpack_from(self.att.mm, hit.meta)[0] != hit.word:
+            return False
+        self._mark_used(hit.offset, hit.meta)
+        return True
+
+    def get_one(self, d: bytes, dest_of) -> int | None:
+        """Copy the value of d into the pieces `dest_of(length)` gives (None: it does not fit); its length."""
+        for _ in range(RETRIES):
+            hit = self.lookup(d)
+            if hit is None:
+                return None
+            pieces = dest_of(hit.length)
+            if pieces is None:
+                return None
+            if self.copy_out(hit, pieces):
+                return hit.length
+        return None
+
+    def get_batch(self, darr: np.ndarray, pieces_list) -> list[bool]:
+        """Load many values into destination pieces; per key True only if the stored length matches exactly."""
+        n = len(darr)
+        res = resolve(self.att, darr)
+        if n <= SMALL_BATCH:
+            out = self._get_scalar(res, pieces_list.tolist() if isinstance(pieces_list, np.ndarray) else pieces_list)
+            hits = sum(out)
+            nbytes = sum([length for length, o in zip(res.lengths.tolist(), out) if o])
+        else:
+            ok = self._get_vector(res, PieceTable.of(pieces_list, n))
+            out = ok.tolist()
+            hits = out.count(True)
+            nbytes = int(res.lengths.sum()) if hits == n else int(res.lengths[ok].sum())
+        self.counters.count(hits=hits, misses=n - hits, bytes_read=nbytes)
+        return out
+
+    def _get_scalar(self, res: Resolved, pieces_list) -> list[bool]:
+        """Copy out a few values key by key (no numpy call per key: cheaper below SMALL_BATCH keys)."""
+        oks, offs, words, lens = res.ok.tolist(), res.offsets.tolist(), res.words.tolist(), res.lengths.tolist()
+        out = []
+        att = self.att
+        mm, data, memmove, meta_of = att.mm, att.data, ctypes.memmove, att.geo.meta_of
+        for i, pieces in enumerate(pieces_list):
+            ok = oks[i]
+            if ok:
+                if piece_lengths([pieces])[0] != lens[i]:
+                    ok = False
+                else:
+                    off = offs[i]
+                    src = data + off
+                    for addr, n in pieces:
+                        memmove(addr, src, n)
+                        src += n
+                    m = meta_of(off)
+                    ok = U64.unpack_from(mm, m)[0] == words[i]  # unchanged across the copy: not torn
+                    if ok:
+                        self._mark_used(off, m)
+            out.append(ok)
+        return out
+
+    def _get_vector(self, res: Resolved, table: PieceTable) -> np.ndarray:
+        """Copy out a batch: one flat loop over every piece of the values found with the right length, then
+        one pass re-reading their block words (a word changed since the lookup means the block was reused
+        during the copy: that key's bytes may be torn, and it reports False) and marking the rest used."""
+        att = self.att
+        ok = res.ok & (res.lengths == table.lengths)
+        rows = np.flatnonzero(ok)
+        if rows.size:
+            offs = res.offsets[rows]
+            memmove = ctypes.memmove
+            for dst, src, nb in zip(*table.gather(rows, att.data + offs)):
+                memmove(dst, src, nb)
+            gidx = offs >> granule_shift(att.geo)
+            still = att.alloc.meta_words[gidx] == res.words[rows]
+            ok[rows] = still
+            att.alloc.meta_refs[gidx[still]] = 1
+            att.alloc.unit_refs[offs[still] // att.geo.unit_size] = 1
+        return ok

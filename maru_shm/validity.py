@@ -1,0 +1,143 @@
+"""When a lock-free hit is believable: the read rule of docs/FORMAT.md section 8, in one place.
+
+An index entry (digest d, word w, offset o) read without a lock names the committed value of d only if
+
+  1. o lies inside the data area;
+  2. the block meta at o holds word w (the same block lifetime: every reuse bumps the word) and w is LIVE;
+  3. the block meta's digest is d;
+  4. o + the stored length stays inside the data area;
+
+and, before bytes are copied out of the block (`block_start_problem`):
+
+  5. o is a block start of a formatted slab, and the stored length fits its block.
+
+After a copy the reader re-reads the meta word: unchanged means the bytes were not torn by a reuse.
+Rule 2 against the *entry's* word makes the entry's own digest redundant: a meta of that lifetime that
+holds d was published for d.
+
+Each rule exists here in the forms its callers need, side by side: scalar (`check_entry`, `lookup`,
+`entry_problem`) for a few keys, batch (`check_entries`, `leading_mismatch`, `block_starts_ok`) for
+numpy passes over 128 keys. A change to a rule changes every form in this module, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .format import LIVE, META_DIGEST_OFF, META_LENGTH_OFF, META_STRUCT, UNIT_HEAD, UNIT_TAIL, U64
+
+_LENGTH = np.uint64(0xFFFFFFFF)  # block meta bytes 24..27 of the u64 at 24: the value's length
+
+
+class Hit(NamedTuple):
+    """A committed value found by a lock-free lookup."""
+    offset: int   # data offset of its block
+    word: int     # the block meta word of its lifetime (re-read after a copy)
+    length: int   # stored length
+    meta: int     # file offset of its block meta
+
+
+# ----------------------------------------------------------------- scalar forms
+def check_entry(mm, geo, d: bytes, word: int, offset: int) -> Hit | None:
+    """Rules 1-4 for one entry: the Hit it names, or None."""
+    if not 0 <= offset < geo.data_bytes:
+        return None
+    m = geo.meta_of(offset)
+    w = U64.unpack_from(mm, m)[0]
+    if w != word or w & 3 != LIVE or mm[m + META_DIGEST_OFF:m + META_LENGTH_OFF] != d:
+        return None
+    length = int.from_bytes(mm[m + META_LENGTH_OFF:m + META_LENGTH_OFF + 4], "little")
+    if offset + length > geo.data_bytes:
+        return None
+    return Hit(offset, w, length, m)
+
+
+def lookup(index, mm, geo, d: bytes) -> Hit | None:
+    """The committed value of d by a bounded probe of the index, or None (rules 1-4)."""
+    found = index.find(d)
+    if found is None:
+        return None
+    return check_entry(mm, geo, d, found[0], found[1])
+
+
+def names_lifetime(mm, geo, d: bytes, word: int, offset: int) -> bool:
+    """Rules 1-3 without LIVE: the entry names this lifetime of a block holding d.
+
+    What shard repair keeps while a publication may be in flight (the entry's word is the block's whatever
+    its state); readers add LIVE on top.
+    """
+    if not 0 <= offset < geo.data_bytes:
+        return False
+    m = geo.meta_of(offset)
+    return U64.unpack_from(mm, m)[0] == word and bytes(mm[m + META_DIGEST_OFF:m + META_LENGTH_OFF]) == d
+
+
+def block_start_problem(alloc, offset: int, length: int) -> str | None:
+    """Rule 5 for one block: why a copy must not start at `offset` for `length` bytes, or None."""
+    loc = alloc.block_index(offset)
+    if loc is None:
+        return f"offset {offset} is not a block start in the data area"
+    if length > loc[1].block:
+        return f"block at {offset} holds {length} bytes, more than its {loc[1].block}-byte block"
+    return None
+
+
+def entry_problem(mm, geo, alloc, d: bytes, word: int, offset: int) -> str | None:
+    """Rules 1-5 for one entry, as the checks report them: why a reader would refuse it, or None."""
+    if not 0 <= offset < geo.data_bytes or alloc.block_index(offset) is None:
+        return f"offset {offset} is not a block start in the data area"
+    mword, md, length = META_STRUCT.unpack_from(mm, geo.meta_of(offset))[:3]
+    if mword != word or word & 3 != LIVE or md != d or block_start_problem(alloc, offset, length):
+        return f"block at {offset} does not hold this committed value"
+    return None
+
+
+# ----------------------------------------------------------------- batch forms
+def check_entries(meta_q: np.ndarray, geo, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
+    """Rules 1-4 for index entries `e` (rows of 4 u64) of digests (h0, h1): (offsets, words, lengths, ok)."""
+    words = e[:, 2]
+    inside = e[:, 3] < np.uint64(geo.data_bytes)
+    offs = (e[:, 3] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
+    m = meta_q[offs >> granule_shift(geo)]
+    lengths = (m[:, 3] & _LENGTH).astype(np.intp)
+    ok = (((m[:, 0] ^ words) | (m[:, 1] ^ h0) | (m[:, 2] ^ h1)) == 0) & inside \
+        & ((words & np.uint64(3)) == LIVE) & (offs + lengths <= geo.data_bytes)
+    return offs, words, lengths, ok
+
+
+def leading_mismatch(meta_q: np.ndarray, geo, e: np.ndarray, halves: np.ndarray, length: int | None) -> np.ndarray:
+    """Rules 1-4 (and a stored length equal to `length`, if given) fused into one u64 per entry, zero only
+    for a hit: the fast form for the hit query, where most batches are all hits.
+
+    `length`, if given, must be in 0..min(data_bytes, 2**32 - 1) (the caller answers 0 hits otherwise).
+    """
+    # an offset outside the data area reads a clipped meta, and fails its own check below
+    m = meta_q.take((e[:, 3] >> np.uint64(granule_shift(geo))).view(np.int64), axis=0, mode="clip")
+    d = m[:, 1:3] ^ halves
+    bad = (m[:, 0] ^ e[:, 2]) | d[:, 0] | d[:, 1] | ((m[:, 0] & np.uint64(3)) ^ np.uint64(LIVE))
+    if length is None:
+        bad |= (e[:, 3] >= np.uint64(geo.data_bytes)) | (e[:, 3] + (m[:, 3] & _LENGTH) > np.uint64(geo.data_bytes))
+    else:  # offset + length <= data_bytes, and offset inside it
+        bad |= ((m[:, 3] ^ np.uint64(length)) & _LENGTH) | (e[:, 3] > np.uint64(geo.data_bytes - max(length, 1)))
+    return bad
+
+
+def block_starts_ok(alloc, geo, offs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Rule 5 for a batch: is each offset a block start of a formatted slab, with its length inside that block?"""
+    unit = offs // geo.unit_size
+    st = alloc.states[unit]
+    cls_u = alloc.clsfield[unit].astype(np.int64)
+    head = np.where(st == UNIT_TAIL, np.minimum(cls_u, geo.n_units - 1), unit)
+    cid = np.minimum(alloc.clsfield[head].astype(np.int64), geo.class_cap - 1)
+    block, per_slab = alloc.class_arrays()
+    blk = block[cid]
+    rel = offs - head * geo.unit_size
+    safe_blk = np.maximum(blk, 1)
+    return ((st == UNIT_HEAD) | (st == UNIT_TAIL)) & (alloc.states[head] == UNIT_HEAD) & (blk > 0) \
+        & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < per_slab[cid]) & (lengths <= blk)
+
+
+def granule_shift(geo) -> int:
+    return geo.granule.bit_length() - 1  # granules are powers of two (Geometry.plan)

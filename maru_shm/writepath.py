@@ -1,0 +1,138 @@
+"""The write path: reserve (CLASS locks), copy and commit (no lock), publish (SHARD locks), free what lost.
+
+Per-key Python is the cost on small pages, so every step that can be is one numpy operation over the
+batch (putbatch.VectorPut); a few keys take the scalar form (putbatch.ScalarPut). FORMAT.md section 8
+gives the order of stores and what a death after each leaves behind.
+
+`mine` (offset -> word) holds every block the call owns and has not yet handed to the publisher: if the
+call raises, `settle` frees them; once a block is handed over, a death or a raise leaves it to close()
+or a reaper.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import crashpoints as _cp
+from .allocator import SMALL_BATCH
+from .errors import StoreError
+from .format import META_OWNER_OFF, U16, U64
+from .pieces import PieceTable, piece_lengths
+from .putbatch import ScalarPut, VectorPut
+from .resolve import resolve
+
+
+class WritePath:
+    def __init__(self, att, procs, counters, publisher, reap):
+        self.att, self.procs, self.counters, self.publisher = att, procs, counters, publisher
+        self.reap = reap  # () -> slots reaped: run when a class is out of room
+
+    def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool) -> list[bool]:
+        mine: dict[int, int] = {}
+        try:
+            return self._put(darr, pieces_list, skip_existing, assume_absent, mine)
+        except BaseException:
+            self.settle(mine)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
+            raise
+
+    def settle(self, mine: dict[int, int]) -> None:
+        """A put raised midway: free the blocks it reserved or committed but did not publish (best effort)."""
+        att, owner = self.att, self.procs.owner
+        to_free = []
+        for off, word in mine.items():
+            m = att.geo.meta_of(off)
+            if U64.unpack_from(att.mm, m)[0] == word and U16.unpack_from(att.mm, m + META_OWNER_OFF)[0] == owner:
+                to_free.append((off, word))  # still this lifetime and still ours: free it (word re-checked)
+        try:
+            att.alloc.free_blocks(to_free)
+        except StoreError:
+            pass  # still owned by this slot: close() or a reaper settles them
+
+    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, mine: dict) -> list[bool]:
+        n = len(darr)
+        small = n <= SMALL_BATCH
+        if small and isinstance(pieces_list, np.ndarray):
+            pieces_list = pieces_list.tolist()  # the scalar path copies from Python ints
+        pieces = pieces_list if small else PieceTable.of(pieces_list, n)
+        lengths = piece_lengths(pieces_list) if small else pieces.lengths.tolist()
+        res = [False] * n
+        present = resolve(self.att, darr, full=False).ok.tolist() if skip_existing and not assume_absent else None
+        groups = self._by_class(lengths, present, res, one_class=not small and present is None)
+        placed_i, placed_off = self._reserve(groups, darr.view("<u8"), lengths)
+        kind = ScalarPut if small else VectorPut
+        in_order = len(groups) == 1 and len(placed_i) == n
+        batch = kind(self.att, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
+        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, mine, res)
+        if not all(published):
+            # still owned by us until freed: a crash here is reaped
+            to_free += [(off, w) for off, w, p in zip(placed_off, batch.lives, published) if not p]
+        if _cp.ARMED is not None:
+            _cp.hit("put.before_free")
+        if to_free:
+            self.att.alloc.free_blocks(to_free, keep=self.procs.owner)  # ours kept for our next puts of the class
+        ok = sum(res)
+        if len(placed_i) == n and all(published):  # the common case: every value placed and published
+            written = sum(lengths)
+        else:
+            written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
+        self.counters.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
+                            bytes_written=written)
+        return res
+
+    def _by_class(self, lengths: list, present, res: list, one_class: bool) -> dict:
+        """class id -> (ClassInfo, positions of the keys it stores); keys already present are answered in res."""
+        alloc, max_value = self.att.alloc, self.att.geo.max_value
+        groups: dict[int, tuple] = {}
+        if one_class and min(lengths) == max(lengths):  # a batch of pages: one class
+            info = alloc.class_for(lengths[0]) if lengths[0] <= max_value else None
+            if info is not None:
+                _check_fits(info, lengths[0])
+                groups[info.cid] = (info, list(range(len(lengths))))
+            return groups
+        class_of: dict[int, object] = {}  # one class lookup per distinct length
+        for i, length in enumerate(lengths):
+            if present is not None and present[i]:
+                res[i] = True
+                continue
+            info = class_of.get(length, False)
+            if info is False:
+                info = class_of[length] = alloc.class_for(length) if length <= max_value else None
+            if info is not None:
+                _check_fits(info, length)
+                groups.setdefault(info.cid, (info, []))[1].append(i)
+        return groups
+
+    def _reserve(self, groups: dict, halves: np.ndarray, lengths: list) -> tuple[list[int], list[int]]:
+        """Reserve a block per key, class by class; a class out of room reaps dead processes and tries once more.
+        (positions placed, their offsets): a key the pool cannot place is left out."""
+        alloc, owner = self.att.alloc, self.procs.owner
+        lens_u = np.asarray(lengths, dtype=np.uint64)
+        placed_i: list[int] = []
+        placed_off: list[int] = []
+        for info, positions in groups.values():
+            offs = alloc.allocate(info, halves[positions], lens_u[positions], owner)
+            if len(offs) < len(positions) and self.reap():
+                rest = positions[len(offs):]
+                offs += alloc.allocate(info, halves[rest], lens_u[rest], owner)
+            placed_i += positions[:len(offs)]
+            placed_off += offs
+            if _cp.ARMED is not None:
+                _cp.hit("put.after_alloc")
+        return placed_i, placed_off
+
+    def _write(self, batch, skip_existing: bool, mine: dict, res: list):
+        """Copy, commit and publish the placed blocks: (published flags, to free, evictions, evicted bytes)."""
+        if not len(batch):
+            return [], [], 0, 0
+        mine.update(zip(batch.placed_off, batch.reserved()))
+        batch.copy()
+        mine.update(zip(batch.placed_off, batch.commit()))
+        if _cp.ARMED is not None:
+            _cp.hit("put.before_index")
+        return self.publisher.publish(batch, skip_existing, mine, res)
+
+
+def _check_fits(info, length: int) -> None:
+    """Never copy past a block: it would overwrite its neighbours."""
+    if length > info.block:
+        raise StoreError(f"internal error: class {info.cid} ({info.block}-byte blocks) chosen for a {length}-byte value")
