@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from .allocator.classes import planned_geometric
+from .sizeclasses import planned_geometric
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, FREE, KIND_EXACT, KIND_UNUSED,
                      LOCK_CLASSTAB, LOCK_POOL, SHARD_LOCK_BASE, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32,
                      next_word, store_u64)
@@ -62,7 +62,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     # Every class another process may be using: the geometric ones whatever their entry says now (a
     # damaged entry is not re-read by processes that cached it), and every entry with a kind.
     classes = [c for c in range(g.class_cap)
-               if c < g.n_geo_classes or U32.unpack_from(store.mm, alloc._cls_off(c))[0] != KIND_UNUSED]
+               if c < g.n_geo_classes or U32.unpack_from(store.mm, alloc.geo.class_entry(c))[0] != KIND_UNUSED]
     order = [LOCK_CLASSTAB] + [CLASS_LOCK_BASE + c for c in classes] + [LOCK_POOL] + \
         [SHARD_LOCK_BASE + s for s in range(g.index_shards)]
     try:
@@ -97,7 +97,7 @@ def _class_entry_problem(store, cid: int) -> str | None:
     """Why class entry cid is damaged, or None. Geometric entries must be exactly what creation wrote;
     an exact-fit entry must be usable (the shape rules refresh_classes applies); other kinds are invalid."""
     g, alloc = store.geo, store.alloc
-    kind, k, block, bps = CLASS_STRUCT.unpack_from(store.mm, alloc._cls_off(cid))[:4]
+    kind, k, block, bps = CLASS_STRUCT.unpack_from(store.mm, alloc.geo.class_entry(cid))[:4]
     if cid < g.n_geo_classes:
         want = planned_class(g, cid)
         if (kind, k, block, bps) != want:
@@ -117,13 +117,13 @@ def _repair_classes(store) -> int:
     """CLASSTAB and the class locks held: rewrite geometric entries from the geometry, retire unusable
     exact-fit entries (their slabs then have no class and are dropped by _drop_bad_heads)."""
     g, alloc, mm = store.geo, store.alloc, store.mm
-    alloc._classes_version = -1
+    alloc.invalidate_classes()
     alloc.refresh_classes()
     fixes = 0
     for cid in range(g.class_cap):
         if _class_entry_problem(store, cid) is None:
             continue
-        o = alloc._cls_off(cid)
+        o = alloc.geo.class_entry(cid)
         if cid < g.n_geo_classes:
             kind, k, block, bps = planned_class(g, cid)
             CLASS_STRUCT.pack_into(mm, o, KIND_UNUSED, k, block, bps, 0, 0, 0, 0)
@@ -168,7 +168,7 @@ def _drop_bad_units(store) -> int:
     bad += np.flatnonzero((alloc.states != UNIT_FREE) & (alloc.states != UNIT_HEAD)
                           & (alloc.states != UNIT_TAIL)).tolist()
     for u in bad:
-        U32.pack_into(store.mm, alloc._slab(u), UNIT_FREE)
+        U32.pack_into(store.mm, alloc.geo.slab_entry(u), UNIT_FREE)
     return len(bad)
 
 

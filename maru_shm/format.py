@@ -13,6 +13,7 @@ import struct
 import time
 import zlib
 
+from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
 
 MAGIC = b"MARUSHM\0"
@@ -46,7 +47,7 @@ CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head 
 CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
 CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
 CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = 40, 48, 56  # block CLOCK hand u64, decayed demand u64, its epoch u32
-KIND_UNUSED, KIND_GEOMETRIC, KIND_EXACT = 0, 1, 2
+KIND_UNUSED, KIND_EXACT = 0, 2  # and KIND_GEOMETRIC (sizeclasses)
 
 # --- process table -------------------------------------------------------
 PROC_ENTRY = 128
@@ -65,8 +66,7 @@ SLAB_ENTRY = 64
 SLAB_HEAD = struct.Struct("<IIIIII")  # state cls next prev nfree nblocks
 SLAB_STATE, SLAB_CLS, SLAB_NEXT, SLAB_PREV, SLAB_NFREE, SLAB_NBLOCKS = 0, 4, 8, 12, 16, 20
 SLAB_REF, SLAB_INPARTIAL, SLAB_BITMAP = 24, 25, 32
-BITMAP_BYTES = 32
-MAX_BLOCKS_PER_SLAB = BITMAP_BYTES * 8
+BITMAP_BYTES = MAX_BLOCKS_PER_SLAB // 8
 UNIT_FREE, UNIT_HEAD, UNIT_TAIL = 0, 1, 2
 
 # --- index ---------------------------------------------------------------
@@ -124,7 +124,6 @@ def _is_pow2(n: int) -> bool:
 
 
 def _geometric_count(granule: int, max_value: int) -> int:
-    from .allocator.classes import geometric_sizes
     return len(geometric_sizes(granule, max_value))
 
 
@@ -168,6 +167,14 @@ class Geometry:
         """File offset of the slab table entry of the unit holding data offset `offset`."""
         return self.off_slabs + (offset // self.unit_size) * SLAB_ENTRY
 
+    def slab_entry(self, unit: int) -> int:
+        """File offset of the slab table entry of unit `unit`."""
+        return self.off_slabs + unit * SLAB_ENTRY
+
+    def class_entry(self, cid: int) -> int:
+        """File offset of class table entry `cid`."""
+        return self.off_classes + cid * CLASS_ENTRY
+
     def slot_of(self, slot: int) -> int:
         """File offset of process table entry `slot`."""
         return self.off_procs + slot * PROC_ENTRY
@@ -190,7 +197,6 @@ class Geometry:
         if max_value < granule:
             raise ValueError("max_value must be at least one granule")
         if n_geo_classes is None:
-            from .allocator.classes import geometric_sizes
             n_geo_classes = len(geometric_sizes(granule, max_value))
         if n_geo_classes > CLASS_CAP - 8:
             raise ValueError("max_value / granule span too wide for the class table")
@@ -235,7 +241,6 @@ class Geometry:
             raise ValueError(f"a pool of {file_size} bytes cannot hold one {unit_size}-byte unit plus its header")
         if max_value > n_units * unit_size:
             max_value = n_units * unit_size
-            from .allocator.classes import geometric_sizes
             n_geo_classes = len(geometric_sizes(granule, max_value))
         shard_slots, off_shards, off_index, off_meta, n_granules, off_data = layout(n_units, slots_for(n_units))
         return Geometry(

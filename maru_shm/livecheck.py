@@ -23,7 +23,7 @@ import numpy as np
 
 from .allocator import Allocator
 from .check import CheckReport, _bad_heads, _block_starts, _class_entry_problem
-from .errors import LockTimeout
+from .errors import LockTimeout, StoreError
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
                      LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
                      RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
@@ -84,7 +84,13 @@ class NoLocks:
 
 
 class _Pool:
-    """What the check reads: geometry, mapping, allocator and index views, liveness of slots."""
+    """What the check reads: geometry, mapping, allocator and index views, liveness of slots.
+
+    Also the AllocatorHost of its read-only Allocator: the check only reads through it (no lock, no
+    count, no index change), so the writing half of the interface refuses.
+    """
+
+    locks = None
 
     def __init__(self, view):
         self.mm, self.geo = view.mm, view.geo
@@ -94,6 +100,15 @@ class _Pool:
 
     def slot_alive(self, owner_plus1: int) -> bool:
         return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1)
+
+    def count(self, **counters: int) -> None:
+        pass  # a read-only check has no process slot to count in
+
+    def indexed_many(self, blocks):
+        raise StoreError("internal error: the read-only check asked to settle blocks")
+
+    def unpublish_many(self, halves, offsets, words):
+        raise StoreError("internal error: the read-only check asked to unpublish blocks")
 
     def release_views(self) -> None:
         self.alloc.release_views()
@@ -152,14 +167,14 @@ def check_domains(pool, locks, progress=None) -> CheckReport:
 def _check_class_table(pool, report) -> list[int]:
     """CLASSTAB held: every entry as creation or declare wrote it; returns the classes with an entry."""
     g, alloc = pool.geo, pool.alloc
-    alloc._classes_version = -1
+    alloc.invalidate_classes()
     alloc.refresh_classes()
     for cid in range(g.class_cap):
         why = _class_entry_problem(pool, cid)
         if why:
             report.problem(why)
     return [c for c in range(g.class_cap)
-            if c < g.n_geo_classes or U32.unpack_from(pool.mm, alloc._cls_off(c))[0] != KIND_UNUSED]
+            if c < g.n_geo_classes or U32.unpack_from(pool.mm, alloc.geo.class_entry(c))[0] != KIND_UNUSED]
 
 
 def _check_units(pool, report) -> None:
@@ -181,7 +196,7 @@ def _check_units(pool, report) -> None:
             continue
         covered[h:h + info.k] = h
         for t in range(h + 1, h + info.k):
-            st, head = U32.unpack_from(mm, alloc._slab(t))[0], U32.unpack_from(mm, alloc._slab(t) + 4)[0]
+            st, head = U32.unpack_from(mm, alloc.geo.slab_entry(t))[0], U32.unpack_from(mm, alloc.geo.slab_entry(t) + 4)[0]
             if st != UNIT_TAIL or head != h:
                 report.problem(f"unit {t}: should be a tail of slab {h}")
     for t in np.flatnonzero((alloc.states == UNIT_TAIL) & (covered < 0)).tolist():
@@ -212,7 +227,7 @@ def _check_class(pool, c: int, report) -> list[tuple]:
     the LIVE blocks owned by no live process, (offset, word, digest), for the orphan pass."""
     alloc, mm = pool.alloc, pool.mm
     info = alloc.classes[c] if c < len(alloc.classes) else None
-    co = alloc._cls_off(c)
+    co = alloc.geo.class_entry(c)
     if info is None:
         return []
     heads = _slabs_of(pool, c)
@@ -240,7 +255,7 @@ def _check_class(pool, c: int, report) -> list[tuple]:
 def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     """One slab of a held class: bitmap against metas, free count, partial flag; returns blocks in use."""
     g, alloc, mm = pool.geo, pool.alloc, pool.mm
-    s = alloc._slab(h)
+    s = alloc.geo.slab_entry(h)
     bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
     used = 0
     for i in range(info.bps):
@@ -278,7 +293,7 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
 
 def _check_partial_list(pool, c: int, heads: list[int], expected: set, report) -> None:
     g, alloc, mm = pool.geo, pool.alloc, pool.mm
-    co = alloc._cls_off(c)
+    co = alloc.geo.class_entry(c)
     walked, cur, prev = set(), U32.unpack_from(mm, co + CLS_PARTIAL)[0], 0
     for _ in range(g.n_units + 1):
         if cur == 0:
@@ -286,14 +301,14 @@ def _check_partial_list(pool, c: int, heads: list[int], expected: set, report) -
         if not 0 < cur <= g.n_units or (cur - 1) in walked:
             report.problem(f"class {c}: partial list broken at link {cur}")
             break
-        if U32.unpack_from(mm, alloc._slab(cur - 1) + SLAB_PREV)[0] != prev:
+        if U32.unpack_from(mm, alloc.geo.slab_entry(cur - 1) + SLAB_PREV)[0] != prev:
             report.problem(f"class {c}: partial list back link of slab {cur - 1} is not {prev}")
         walked.add(cur - 1)
-        prev, cur = cur, U32.unpack_from(mm, alloc._slab(cur - 1) + SLAB_NEXT)[0]
+        prev, cur = cur, U32.unpack_from(mm, alloc.geo.slab_entry(cur - 1) + SLAB_NEXT)[0]
     if walked != expected:
         report.problem(f"class {c}: partial list has {len(walked)} slabs, {len(expected)} have free blocks")
     for h in heads:
-        s = alloc._slab(h)
+        s = alloc.geo.slab_entry(h)
         if h not in walked and (U32.unpack_from(mm, s + SLAB_NEXT)[0] or U32.unpack_from(mm, s + SLAB_PREV)[0]):
             report.problem(f"slab {h}: not on the partial list but linked")
 

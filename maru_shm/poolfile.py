@@ -17,9 +17,10 @@ import time
 
 from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
-from .format import (LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
+from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
                      Geometry)
 from .locks import ofd_trylock, ofd_unlock
+from .sizeclasses import planned_geometric
 
 DAX_ALIGN = 2 << 20
 
@@ -406,11 +407,8 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
         mm[8:len(sb)] = sb[8:]
         if _cp.ARMED is not None:
             _cp.hit("init.mid_header")
-        from .allocator.classes import geometric_sizes, slab_shape
-        from .format import (CLASS_ENTRY, CLASS_STRUCT, KIND_GEOMETRIC)
-        for cid, bsize in enumerate(geometric_sizes(geo.granule, geo.max_value)):
-            k, n = slab_shape(bsize, geo.unit_size)
-            CLASS_STRUCT.pack_into(mm, geo.off_classes + cid * CLASS_ENTRY, KIND_GEOMETRIC, k, bsize, n, 0, 0, 0, 0)
+        for cid, (kind, k, bsize, n) in enumerate(planned_geometric(geo.granule, geo.unit_size, geo.max_value)):
+            CLASS_STRUCT.pack_into(mm, geo.class_entry(cid), kind, k, bsize, n, 0, 0, 0, 0)
         U32.pack_into(mm, STATE_OFF, STATE_READY)
         if is_device:
             mm.flush()

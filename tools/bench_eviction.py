@@ -159,15 +159,16 @@ class _WindowObserver:
         self.a = store.alloc
         self.mm = store.mm
         self.n = dict.fromkeys(self.FIELDS, 0)
-        self.on = all(hasattr(self.a, f) for f in ("_evict_for", "_evict_window", "_heads_in", "_slab",
-                                                       "_slab_referenced", "meta_off", "classes"))
+        mover = getattr(self.a, "mover", None)
+        self.on = mover is not None and all(hasattr(mover, f) for f in ("evict_for", "evict_window")) \
+            and all(hasattr(self.a, f) for f in ("slabs", "meta_off", "classes"))
         if self.on:
-            self._for, self._window = self.a._evict_for, self.a._evict_window
-            self.a._evict_for, self.a._evict_window = self._evict_for, self._evict_window
+            self._for, self._window = mover.evict_for, mover.evict_window
+            mover.evict_for, mover.evict_window = self._evict_for, self._evict_window
 
     def close(self) -> None:
         if self.on:
-            del self.a._evict_for, self.a._evict_window
+            del self.a.mover.evict_for, self.a.mover.evict_window
             self.on = False
 
     def _evict_for(self, info):
@@ -178,15 +179,15 @@ class _WindowObserver:
     def _evict_window(self, w0, k, my_cid):
         a, mm = self.a, self.mm
         slabs = refd = values = hit = 0
-        for h in a._heads_in(w0, k):
-            c = int.from_bytes(mm[a._slab(h) + 4:a._slab(h) + 8], "little")
+        for h in a.slabs.heads_in(w0, k):
+            c = int.from_bytes(mm[a.geo.slab_entry(h) + 4:a.geo.slab_entry(h) + 8], "little")
             ci = a.classes[c] if c < len(a.classes) else None
             if ci is None:
                 continue
             slabs += 1
-            refd += a._slab_referenced(h, ci.k, clear=False)
+            refd += a.slabs.referenced(h, ci.k, clear=False)
             for i in range(ci.bps):
-                m = a.meta_off(h * a.U + i * ci.block)
+                m = a.meta_off(h * a.geo.unit_size + i * ci.block)
                 if mm[m] & 3 == 2:  # LIVE
                     values += 1
                     hit += mm[m + 30] != 0
@@ -200,7 +201,7 @@ class _WindowObserver:
         n = self.n
         if not n["evictions"]:
             return None
-        return {**n, "mean_window_bytes": n["window_units"] / n["evictions"] * self.a.U,
+        return {**n, "mean_window_bytes": n["window_units"] / n["evictions"] * self.a.geo.unit_size,
                 "slabs_per_window": n["slabs"] / n["evictions"],
                 "referenced_share": n["slabs_referenced"] / max(1, n["slabs"]),
                 "values_per_window": n["values"] / n["evictions"],

@@ -227,10 +227,10 @@ def _damage_class(cid):
     def damage(s):
         # wreck every derived field of the class: bitmaps say free, counts and partial list are garbage
         for h in s.alloc.class_slabs(cid):
-            so = s.alloc._slab(h)
+            so = s.geo.slab_entry(h)
             s.mm[so + SLAB_BITMAP:so + SLAB_BITMAP + 32] = bytes(32)
             U32.pack_into(s.mm, so + SLAB_NFREE, 9999)
-        U32.pack_into(s.mm, s.alloc._cls_off(cid) + CLS_PARTIAL, 0)
+        U32.pack_into(s.mm, s.geo.class_entry(cid) + CLS_PARTIAL, 0)
     return damage
 
 
@@ -285,7 +285,7 @@ def test_killed_shard_holder_is_repaired_before_reuse(open_store, pool_path, chi
 def _damage_pool(s):
     # slab formatting cut short: every TAIL entry lost
     for u in range(s.geo.n_units):
-        o = s.alloc._slab(u)
+        o = s.geo.slab_entry(u)
         if U32.unpack_from(s.mm, o)[0] == UNIT_TAIL:
             U32.pack_into(s.mm, o, UNIT_FREE)
 

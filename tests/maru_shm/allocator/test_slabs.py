@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 
-from maru_shm.allocator.classes import geometric_sizes
+from maru_shm.sizeclasses import geometric_sizes
 from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from maru_shm.index import key_digest
 
@@ -151,10 +151,10 @@ def test_batch_spanning_a_partial_slab_and_an_eviction_keeps_its_blocks(open_sto
     victims = [f"f{n - 1}", f"f{n - 2}"]
     for k in victims:
         assert s.delete(k)
-    head = U32.unpack_from(s.mm, s.alloc._cls_off(info.cid) + CLS_PARTIAL)[0] - 1
+    head = U32.unpack_from(s.mm, s.geo.class_entry(info.cid) + CLS_PARTIAL)[0] - 1
     assert head >= 0
     for u in range(s.geo.n_units):  # all referenced: the first sweep clears them and the next one
-        s.mm[s.alloc._slab(u) + SLAB_REF] = 1  # starts at the hand, on the slab the batch just took from
+        s.mm[s.geo.slab_entry(u) + SLAB_REF] = 1  # starts at the hand, on the slab the batch just took from
     U32.pack_into(s.mm, SLAB_HAND_OFF, head)
     keys = [f"g{i}" for i in range(info.bps + 2)]
     assert all(s.batch_put(keys, [make_value(k, 2, size) for k in keys]))
@@ -223,7 +223,7 @@ def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
     assert a.meta_refs[g].all(), "no victim: the hand passed nothing but owned blocks"
     assert not s.put("nope", make_value("nope", 1, size))
     a.meta_owners[g] = 0
-    hand = U64.unpack_from(s.mm, a._cls_off(info.cid) + CLS_HAND)[0]
+    hand = U64.unpack_from(s.mm, a.geo.class_entry(info.cid) + CLS_HAND)[0]
     victim_off = (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block
     ev = s.stats()["evictions"]
     assert s.put("yes", make_value("yes", 1, size))
@@ -278,7 +278,7 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     assert len(ring) > 850
     g = np.array([o // s.geo.granule for o in ring])
     owner_of = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
-    U64.pack_into(s.mm, a._cls_off(info.cid) + CLS_HAND, 0)  # the hand at the first block
+    U64.pack_into(s.mm, a.geo.class_entry(info.cid) + CLS_HAND, 0)  # the hand at the first block
     a.meta_refs[g] = 1
     cold = [100, 600, 800]
     a.meta_refs[g[cold]] = 0
@@ -287,7 +287,7 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     assert [s.get(owner_of[ring[i]]) for i in cold] == [None] * 3
     refs = a.meta_refs[g]
     assert not refs[:801].any() and refs[801:].all(), "cleared exactly up to the last victim"
-    hand = U64.unpack_from(s.mm, a._cls_off(info.cid) + CLS_HAND)[0]
+    hand = U64.unpack_from(s.mm, a.geo.class_entry(info.cid) + CLS_HAND)[0]
     assert (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block == ring[801]
     a.meta_refs[g] = 1
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
@@ -304,8 +304,8 @@ def _free_runs_by_trying_every_start(alloc, k: int, count: int) -> list[int]:
     skipping starts inside a run already taken or inside an earlier slab's extent."""
     free = alloc.states == UNIT_FREE
     out, nxt = [], -1
-    for u in range(alloc.n_units - k + 1):
-        if u >= nxt and free[u:u + k].all() and not alloc._reached_by_earlier_slab(u):
+    for u in range(alloc.geo.n_units - k + 1):
+        if u >= nxt and free[u:u + k].all() and not alloc.runs.reached_by_earlier_slab(u):
             out.append(u)
             nxt = u + k
             if len(out) == count:
@@ -324,11 +324,11 @@ def test_free_run_search_matches_trying_every_start(open_store):
     k_of = {c.k: c.cid for c in a.classes if c is not None}
     try:
         for trial in range(120):
-            heads = np.array([rng.random() < (0.3 if trial % 3 else 0.001) for _ in range(a.n_units)])
+            heads = np.array([rng.random() < (0.3 if trial % 3 else 0.001) for _ in range(a.geo.n_units)])
             a.states[:] = np.where(heads, UNIT_HEAD, UNIT_FREE)
             a.clsfield[:] = k_of[1]
             if trial % 4 == 0:  # a head whose class says 4 units, with FREE (damaged) entries after it
-                h = rng.randrange(a.n_units - 8)
+                h = rng.randrange(a.geo.n_units - 8)
                 a.states[h] = UNIT_HEAD
                 a.clsfield[h] = k_of[4]
                 a.states[h + 1:h + 4] = UNIT_FREE
@@ -458,9 +458,9 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
 
     s.alloc.host.unpublish_many = claim_first
     with s.locks.hold(CLASS_LOCK_BASE + info.cid), s.locks.hold(LOCK_POOL):
-        s.alloc._evict_slabs([(h, info)])
+        s.alloc.mover.evict_slabs([(h, info)])
     s.alloc.host.unpublish_many = real
-    assert U32.unpack_from(s.mm, s.alloc._slab(h))[0] == UNIT_HEAD, "the slab stays in its class"
+    assert U32.unpack_from(s.mm, s.geo.slab_entry(h))[0] == UNIT_HEAD, "the slab stays in its class"
     assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
     assert all(s.get(k) is None for k in victims)
     assert s.stats()["held_blocks"] == 1 and s.stats()["slab_moves"] == 0

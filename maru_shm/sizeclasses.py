@@ -1,5 +1,9 @@
 """Size classes: fine geometric classes for any value, plus exact-fit classes declared at run time.
 
+Part of the file format: creation writes the planned geometric classes into the class table, and a
+pool's geometry (format.Geometry) counts them, so this math sits below format.py and imports nothing
+of the package.
+
 Eight classes per doubling keep the internal waste of an arbitrary value
 below 9 % (about 4.5 % on average); a page size known at run time (a KV page
 from the SGLang host pool) gets a class of exactly its size, so its waste is 0.
@@ -10,7 +14,8 @@ from __future__ import annotations
 import functools
 import math
 
-from ..format import MAX_BLOCKS_PER_SLAB
+MAX_BLOCKS_PER_SLAB = 256  # a slab's bitmap holds 256 bits (format.BITMAP_BYTES = 32)
+KIND_GEOMETRIC = 1  # class entry kind of a geometric class (format.py re-exports it with the other kinds)
 
 CLASSES_PER_DOUBLING = 8
 ALIGN = 64
@@ -78,10 +83,10 @@ def exact_slab_floor(data_bytes: int) -> int:
 
 @functools.lru_cache(maxsize=16)
 def planned_geometric(granule: int, unit_size: int, max_value: int) -> tuple:
-    """(kind=1, units per slab, block size, blocks per slab) of every geometric class, as creation writes
+    """(kind, units per slab, block size, blocks per slab) of every geometric class, as creation writes
     them (poolfile._write_header): the only valid contents of geometric class entries."""
     out = []
     for block in geometric_sizes(granule, max_value):
         k, bps = slab_shape(block, unit_size)
-        out.append((1, k, block, bps))
+        out.append((KIND_GEOMETRIC, k, block, bps))
     return tuple(out)

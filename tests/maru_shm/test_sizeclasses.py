@@ -8,11 +8,11 @@ import os
 import pytest
 
 from maru_shm import Store
-from maru_shm.allocator.classes import geometric_sizes, slab_shape
+from maru_shm.sizeclasses import geometric_sizes, slab_shape
 from maru_shm.format import KIND_EXACT, KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB
 from maru_shm.index import key_digest
 
-from ...conftest import assert_clean
+from ..conftest import assert_clean
 
 SHAPES = [(4096, 64 << 20), (4096, 1 << 30), (512, 1 << 20), (8192, 3 << 20), (4096, 4096 * 3 + 17)]
 

@@ -1,0 +1,125 @@
+"""Mechanism: evict blocks within a class, chosen by the class's block CLOCK (FORMAT.md section 8).
+
+The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit, blocks by
+index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is cleared as the hand
+passes. RESERVED, FREE, owned and pinned blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import crashpoints as _cp
+from ..format import CLS_HAND, LIVE, U64
+from .blockmeta import SMALL_BATCH, BlockMetas
+from .classtable import ClassInfo
+from .release import BlockRelease
+from .slabtable import SlabTable
+
+
+class BlockClock:
+    def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease):
+        self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
+
+    def evict_blocks(self, info: ClassInfo, m: int) -> int:
+        """CLASS[c] held: evict up to m blocks of the class chosen by its block CLOCK; returns blocks freed.
+
+        The victims are unpublished in one round of their shard locks (CLASS -> SHARD is the lock order),
+        then freed: word bumped first, so a reader that found the entry before it went fails its second
+        word check.
+        """
+        heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
+        if m <= 0 or not len(heads):
+            return 0
+        ring, rows = self._sweep(info, heads, m)
+        if not len(ring):
+            return 0
+        vheads, vindex = heads[ring // info.bps], ring % info.bps
+        voffs = vheads * self.slabs.geo.unit_size + vindex * info.block
+        vwords = rows[:, 0]
+        lens = rows[:, 3] & np.uint64(0xFFFFFFFF)
+        gone = self.host.unpublish_many(rows[:, 1:3], voffs.astype(np.uint64), vwords)
+        # Free what we unpublished, and orphans (LIVE, unowned, not indexed); a block whose word moved on,
+        # or that another process claimed by unpublishing it first, is not ours to free.
+        if len(voffs) > SMALL_BATCH:
+            freed, evicted, evicted_bytes = self._free_victims_many(info, vheads, vindex, voffs, vwords, lens, gone)
+        else:
+            freed, evicted, evicted_bytes = self._free_victims(info, vheads, vindex, voffs, vwords, lens, gone)
+        self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
+        return freed
+
+    def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int):
+        """Move the hand over at most two passes of the class's blocks until m victims are found:
+        (ring positions of the victims, their meta rows). The second pass takes the blocks whose `ref`
+        the first cleared.
+
+        The ring is read in chunks from the hand (a large class is not read whole to find a few
+        victims); a chunk never spans the end of the first pass, so the second pass re-reads the ref bits
+        the first one cleared. Positions t in [0, 2n): ring index (p + t) mod n.
+        """
+        mm, geo, bps = self.slabs.mm, self.slabs.geo, info.bps
+        n = len(heads) * bps
+        co = geo.class_entry(info.cid)
+        (hand,) = U64.unpack_from(mm, co + CLS_HAND)
+        j = int(np.searchsorted(heads, hand >> 8))
+        p = j * bps + ((hand & 0xFF) if j < len(heads) and heads[j] == hand >> 8 and (hand & 0xFF) < bps else 0)
+        p %= n
+        chunk = max(4 * m, 512)
+        picked: list[np.ndarray] = []
+        rows: list[np.ndarray] = []
+        got = t = 0
+        while t < 2 * n and got < m:
+            t1 = min(t + chunk, n if t < n else 2 * n)
+            ring = (p + np.arange(t, t1, dtype=np.int64)) % n
+            g = (heads[ring // bps] * geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
+            q = self.metas.meta_q[g]
+            owner, ref, pinned = BlockMetas.columns(q)
+            eligible = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
+            if t >= n and picked:
+                eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
+            victims = np.flatnonzero(eligible & ~ref)[:m - got]
+            got += len(victims)
+            end = int(victims[-1]) + 1 if got == m else len(ring)
+            passed = (eligible & ref)[:end]  # second chances: cleared as the hand passes
+            self.metas.meta_refs[g[:end][passed]] = 0
+            if len(victims):
+                picked.append(ring[victims])
+                rows.append(q[victims])
+            t += end
+        pos = (p + t) % n
+        U64.pack_into(mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
+        if not got:
+            return np.zeros(0, dtype=np.int64), None
+        return np.concatenate(picked), np.concatenate(rows)
+
+    def _free_victims_many(self, info, vheads, vindex, voffs, vwords, lens, gone):
+        g = voffs >> self.metas.shift
+        now = self.metas.meta_q[g]
+        owner = BlockMetas.columns(now)[0]
+        ours = (now[:, 0] == vwords) & (gone | (owner == 0))
+        sel = np.flatnonzero(ours)
+        if not sel.size:
+            return 0, 0, 0
+        self.release.free_many(info, vheads[sel], vindex[sel], g[sel])
+        return int(sel.size), int(gone[sel].sum()), int(lens[sel][gone[sel]].sum())
+
+    def _free_victims(self, info, vheads, vindex, voffs, vwords, lens, gone):
+        freed = evicted = evicted_bytes = 0
+        metas = self.metas
+        for off, h, i, w, nbytes, unpublished in zip(voffs.tolist(), vheads.tolist(), vindex.tolist(),
+                                                     vwords.tolist(), lens.tolist(), gone.tolist()):
+            m = metas.meta_off(off)
+            if metas.word(m) != w:
+                continue
+            if not unpublished and metas.owner(m):
+                continue  # claimed by a process that unpublished it first: it frees it
+            self.release.free_block(h, info, i, off)
+            freed += 1
+            if unpublished:
+                evicted += 1
+                evicted_bytes += nbytes
+            if _cp.ARMED is not None:
+                _cp.hit("evict.block_mid")
+        return freed, evicted, evicted_bytes
+
+

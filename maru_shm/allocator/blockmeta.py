@@ -1,0 +1,123 @@
+"""Block metas: one 32-byte record per granule, the other source of truth (FORMAT.md section 6).
+
+The meta of a block's first granule holds its word (lifetime counter << 2 | state), the key's digest,
+the value's length, the owner (slot + 1 of the process that holds it, 0 for none), the ref bit for the
+block CLOCK and the flags byte. A lifetime begins FREE -> RESERVED with the next word, and every change
+of state writes the word first, so a lock-free reader holding the old word fails its check from then on.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ..format import (FLAG_PINNED, FREE, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
+                      RESERVED, U16, U64, next_word, store_u64)
+
+# Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
+# costs a few microseconds whatever its length, which only pays off over many keys.
+SMALL_BATCH = 8
+
+_REST = struct.Struct("<16sIHB")  # meta bytes 8..30: digest, length, owner, ref (META_STRUCT after the word)
+_OWNER_SHIFT, _REF_SHIFT, _FLAGS_SHIFT = 32, 48, 56  # in the u64 at byte 24: length | owner | ref | flags
+
+
+class BlockMetas:
+    def __init__(self, mm, geo):
+        self.mm, self.geo = mm, geo
+        n, base = geo.n_granules, geo.off_blockmeta
+        # word, digest lo, digest hi, length|owner|ref|flags: one row per granule (vectorised batches)
+        self.meta_q = np.ndarray((n, 4), dtype="<u8", buffer=mm, offset=base, strides=(META_SIZE, 8))
+        self.meta_words = self.meta_q[:, 0]
+        self.meta_owners = np.ndarray((n,), dtype="<u2", buffer=mm, offset=base + META_OWNER_OFF,
+                                      strides=(META_SIZE,))
+        self.meta_refs = np.ndarray((n,), dtype=np.uint8, buffer=mm, offset=base + META_REF_OFF,
+                                    strides=(META_SIZE,))
+        self.shift = geo.granule.bit_length() - 1  # granules are powers of two
+
+    def release_views(self) -> None:
+        self.meta_q = self.meta_words = self.meta_owners = self.meta_refs = None
+
+    def meta_off(self, offset: int) -> int:
+        return self.geo.meta_of(offset)
+
+    def word(self, m: int) -> int:
+        return U64.unpack_from(self.mm, m)[0]
+
+    def owner(self, m: int) -> int:
+        return U16.unpack_from(self.mm, m + META_OWNER_OFF)[0]
+
+    def read(self, offset: int):
+        """(word, digest, length, owner, ref) of the block at data offset `offset`."""
+        return META_STRUCT.unpack_from(self.mm, self.geo.meta_of(offset))
+
+    # ---------------------------------------------------------------- CLOCK bits
+    def is_pinned(self, offset: int) -> bool:
+        """Is the block at this data offset pinned (Store.pin)? Out of range: no."""
+        return 0 <= offset < self.geo.data_bytes and bool(self.mm[self.meta_off(offset) + META_FLAGS_OFF] & FLAG_PINNED)
+
+    def is_referenced(self, offset: int, clear: bool = False) -> bool:
+        """Block ref bit (for index-pressure CLOCK); optionally clear it. A pinned block always is."""
+        if not 0 <= offset < self.geo.data_bytes:
+            return False
+        m = self.meta_off(offset)
+        if self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
+            return True
+        ref = self.mm[m + META_REF_OFF]
+        if ref and clear:
+            self.mm[m + META_REF_OFF] = 0
+        return bool(ref)
+
+    @staticmethod
+    def columns(q: np.ndarray):
+        """(owner, ref set, pinned) of meta rows q (numpy)."""
+        w3 = q[:, 3]
+        owner = (w3 >> np.uint64(_OWNER_SHIFT)) & np.uint64(0xFFFF)
+        ref = ((w3 >> np.uint64(_REF_SHIFT)) & np.uint64(0xFF)) != 0
+        pinned = ((w3 >> np.uint64(_FLAGS_SHIFT)) & np.uint64(FLAG_PINNED)) != 0
+        return owner, ref, pinned
+
+    # ---------------------------------------------------------------- lifetimes
+    def reserve(self, offset: int, digest: bytes, length: int, owner: int) -> None:
+        """FREE -> RESERVED in one write of the whole meta (flags 0: a new lifetime is not pinned)."""
+        m = self.meta_off(offset)
+        word = U64.unpack_from(self.mm, m)[0]
+        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0) + b"\0"
+
+    def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
+        """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
+
+        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths.
+        The word (state RESERVED, next sequence) is written first: a reader still
+        holding the old LIVE word then fails validation before digest or length
+        change. A crash midway leaves RESERVED blocks of a dead or absent owner,
+        which class repair frees (section 9 of FORMAT.md).
+        """
+        g = np.asarray(offsets, dtype=np.int64) >> self.shift
+        q = self.meta_q
+        q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
+        q[g, 1] = dig[:, 0]
+        q[g, 2] = dig[:, 1]
+        q[g, 3] = lengths | np.uint64(owner << _OWNER_SHIFT)  # ref 0, flags 0 (a new lifetime is not pinned)
+
+    def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, crash_point) -> None:
+        """A kept block (LIVE, ours, unindexed) starts a new lifetime: the word first, then the rest."""
+        mm = self.mm
+        store_u64(mm, m, next_word(word, RESERVED))
+        crash_point()  # RESERVED, still the old digest and length
+        _REST.pack_into(mm, m + 8, digest, length, owner, 0)
+        mm[m + META_FLAGS_OFF] = 0  # a new lifetime is not pinned
+
+    def free(self, m: int) -> None:
+        """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""
+        mm = self.mm
+        store_u64(mm, m, next_word(U64.unpack_from(mm, m)[0], FREE))
+        U16.pack_into(mm, m + META_OWNER_OFF, 0)
+        mm[m + META_REF_OFF] = 0
+
+    def free_many(self, g: np.ndarray) -> None:
+        """End the lifetimes of a batch of granules' blocks: every word first, then owner, ref and flags."""
+        q = self.meta_q
+        q[g, 0] = (((q[g, 0] >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(FREE)
+        q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept

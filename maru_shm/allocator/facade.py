@@ -1,0 +1,137 @@
+"""The Allocator: one object over the allocator's parts, with the face the store and the checks use.
+
+    classtable   size classes as last read          slabtable   slab entries, bitmaps, partial lists
+    blockmeta    block lifetimes (the metas)        freeruns    free units, the free floor
+    kept         blocks kept for our next puts      reserve     allocation, making room
+    release      freeing and its derived state      demand      POLICY: move a slab or evict within
+    blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
+    repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
+
+What only the layer above knows comes in through `host` (host.AllocatorHost).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blockclock import BlockClock
+from .blockmeta import BlockMetas
+from .classtable import ClassInfo, ClassTable
+from .demand import DemandPolicy
+from .freeruns import FreeRuns
+from .host import AllocatorHost
+from .kept import KeptBlocks, keep_limit
+from .locking import AllocatorLocks
+from .release import BlockRelease
+from .repair import Repairer
+from .reserve import Reserver
+from .slabmover import SlabMover
+from .slabtable import SlabTable
+
+
+class Allocator:
+    def __init__(self, host: AllocatorHost):
+        self.host = host
+        mm, geo = host.mm, host.geo
+        self.mm, self.geo = mm, geo
+        self.locks = AllocatorLocks(host.locks)
+        self.class_table = ClassTable(mm, geo, host.locks)
+        self.slabs = SlabTable(mm, geo, self.class_table)
+        self.metas = BlockMetas(mm, geo)
+        self.runs = FreeRuns(mm, geo, self.slabs, self.class_table)
+        self.demand = DemandPolicy(mm, geo)
+        self.kept_blocks = KeptBlocks(self.metas, self.slabs)
+        self.release = BlockRelease(host, self.locks, self.slabs, self.metas, self.kept_blocks)
+        self.clock = BlockClock(host, self.slabs, self.metas, self.release)
+        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
+        self.repairer = Repairer(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
+        self.locks.repair_class = self.repairer.repair_class
+        self.locks.repair_pool = self.repairer.repair_pool
+        self.reserver = Reserver(self.locks, self.slabs, self.metas, self.kept_blocks, self.runs, self.demand,
+                                 self.clock, self.mover)
+
+    def release_views(self) -> None:
+        """Drop numpy views so the mapping can be closed."""
+        self.slabs.release_views()
+        self.metas.release_views()
+        self.demand.release_views()
+
+    # ---------------------------------------------------------------- views (numpy, over the mapping)
+    states = property(lambda self: self.slabs.states)
+    clsfield = property(lambda self: self.slabs.clsfield)
+    unit_refs = property(lambda self: self.slabs.unit_refs)
+    meta_q = property(lambda self: self.metas.meta_q)
+    meta_words = property(lambda self: self.metas.meta_words)
+    meta_owners = property(lambda self: self.metas.meta_owners)
+    meta_refs = property(lambda self: self.metas.meta_refs)
+    cls_nslabs = property(lambda self: self.demand.cls_nslabs)
+
+    # ---------------------------------------------------------------- classes
+    classes = property(lambda self: self.class_table.classes)
+    kept = property(lambda self: self.kept_blocks.lists)
+
+    def refresh_classes(self) -> None:
+        self.class_table.refresh()
+
+    def invalidate_classes(self) -> None:
+        """Read the class table again at the next refresh (a repair rewrote it)."""
+        self.class_table.invalidate()
+
+    def class_arrays(self):
+        return self.class_table.arrays()
+
+    def class_for(self, n: int) -> ClassInfo | None:
+        return self.class_table.class_for(n)
+
+    def declare_exact(self, n: int) -> ClassInfo:
+        return self.class_table.declare_exact(n)
+
+    keep_limit = staticmethod(keep_limit)
+
+    # ---------------------------------------------------------------- locating blocks
+    def meta_off(self, offset: int) -> int:
+        return self.geo.meta_of(offset)
+
+    def head_of(self, offset: int):
+        return self.slabs.head_of(offset)
+
+    def block_index(self, offset: int):
+        return self.slabs.block_index(offset)
+
+    def class_slabs(self, cid: int) -> list[int]:
+        return self.slabs.class_slabs(cid)
+
+    def is_pinned(self, offset: int) -> bool:
+        return self.metas.is_pinned(offset)
+
+    def is_referenced(self, offset: int, clear: bool = False) -> bool:
+        return self.metas.is_referenced(offset, clear)
+
+    # ---------------------------------------------------------------- allocating and freeing
+    def allocate(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
+        return self.reserver.allocate(info, digests, lengths, owner)
+
+    def free_blocks(self, blocks, keep: int = 0) -> int:
+        return self.release.free_blocks(blocks, keep)
+
+    def evict_blocks(self, info: ClassInfo, m: int) -> int:
+        return self.clock.evict_blocks(info, m)
+
+    def should_move(self, info: ClassInfo) -> bool:
+        return self.demand.should_move(info)
+
+    def find_free_run(self, k: int) -> int | None:
+        return self.runs.find_free_run(k)
+
+    def find_free_runs(self, k: int, count: int) -> list[int]:
+        return self.runs.find_free_runs(k, count)
+
+    # ---------------------------------------------------------------- repair and reaping
+    def repair_pool(self) -> int:
+        return self.repairer.repair_pool()
+
+    def repair_class(self, cid: int) -> int:
+        return self.repairer.repair_class(cid)
+
+    def resolve_owned(self, blocks, dead_owner: int) -> int:
+        return self.repairer.resolve_owned(blocks, dead_owner)

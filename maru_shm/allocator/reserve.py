@@ -1,0 +1,166 @@
+"""Allocation: reserve one block per value, making room when the class has none (FORMAT.md section 8).
+
+Blocks come from the process's kept blocks first (no lock, kept.py), then from the class's partial
+slabs under CLASS[c]; with none left the class makes room: free units for a new slab, else a slab move
+or eviction within the class, as demand.py decides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..format import SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_REF, UNIT_HEAD, UNIT_TAIL
+from .blockclock import BlockClock
+from .blockmeta import SMALL_BATCH, BlockMetas
+from .classtable import ClassInfo
+from .demand import DemandPolicy
+from .freeruns import FreeRuns
+from .kept import KeptBlocks
+from .locking import AllocatorLocks
+from .slabmover import SlabMover
+from .slabtable import SlabTable, get32
+
+
+class Reserver:
+    def __init__(self, locks: AllocatorLocks, slabs: SlabTable, metas: BlockMetas, kept: KeptBlocks,
+                 runs: FreeRuns, demand: DemandPolicy, clock: BlockClock, mover: SlabMover):
+        self.locks, self.slabs, self.metas, self.kept = locks, slabs, metas, kept
+        self.runs, self.demand, self.clock, self.mover = runs, demand, clock, mover
+
+    def allocate(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
+        """Reserve one block per value; return their data offsets.
+
+        `digests` are the keys' digests as (m, 2) little-endian u64 halves, `lengths` the values' lengths.
+        Fewer offsets than items means the pool could not make room (every candidate slab busy with
+        writers). Each block is RESERVED with `owner`. Blocks are taken from the partial slabs first and
+        reserved together (one numpy pass) before anything that may evict or repair this class: a taken
+        block must carry its owner by then, or the eviction that makes room for the rest could free the
+        slab under it.
+        """
+        out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.has(info.cid) else []
+        reused = len(out)
+        if reused == len(lengths):
+            return out
+        if not out:
+            return self._allocate_locked(info, digests, lengths, owner, out)
+        try:
+            return self._allocate_locked(info, digests, lengths, owner, out)
+        except BaseException:  # reused blocks go back to the list (RESERVED, still ours) for the next put
+            self.kept.give_back(info.cid, out[:reused])
+            raise
+
+    def _allocate_locked(self, info: ClassInfo, digests, lengths, owner: int, out: list[int]) -> list[int]:
+        """The part of `allocate` under the class lock: values len(out) .. m-1 (out holds blocks reused)."""
+        cid, m = info.cid, len(lengths)
+        pending: list[int] = []
+
+        def reserve_pending():
+            if pending:
+                self._reserve(pending, digests[len(out):], lengths[len(out):], owner, small=m <= SMALL_BATCH)
+                out.extend(pending)
+                pending.clear()
+
+        rebuilt = False
+        # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
+        rounds = m + 2 * self.slabs.geo.n_units + 4
+        with self.locks.class_lock(cid):
+            self.demand.add(cid, (m - len(out)) * info.block)
+            while len(out) + len(pending) < m and rounds > 0:
+                rounds -= 1
+                head = self.slabs.partial_head(cid)
+                if head == 0:
+                    reserve_pending()
+                    if not self._make_room(info, m - len(out)):
+                        break
+                    continue
+                if not self._usable_partial(head - 1, info):
+                    # The list names no partial slab of this class, or a slab whose extent or shape is not
+                    # the class's (damage): blocks reserved there would overlap another slab's values.
+                    # Rebuild the class from the slab table, once (blocks taken so far are reserved first:
+                    # the rebuild derives the bitmaps from the block metas).
+                    reserve_pending()
+                    if rebuilt:
+                        break
+                    self.locks.repair_class(cid)
+                    rebuilt = True
+                    continue
+                self._take_from_slab(head - 1, info, m - len(out) - len(pending), m <= SMALL_BATCH, pending)
+            reserve_pending()
+        return out
+
+    def _reserve(self, offsets: list[int], digests, lengths, owner: int, small: bool) -> None:
+        if small:  # scalar meta writes
+            for j, off in enumerate(offsets):
+                self.metas.reserve(off, digests[j].tobytes(), int(lengths[j]), owner)
+        else:
+            self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner)
+
+    def _usable_partial(self, h: int, info: ClassInfo) -> bool:
+        """Is h a HEAD of this class, on the partial list, with the class's extent and shape?"""
+        slabs = self.slabs
+        if h >= slabs.geo.n_units:
+            return False
+        s = slabs.geo.slab_entry(h)
+        mm = slabs.mm
+        return (slabs.state(h) == UNIT_HEAD and slabs.cls(h) == info.cid and h + info.k <= slabs.geo.n_units
+                and bool(mm[s + SLAB_INPARTIAL]) and get32(mm, s + SLAB_NBLOCKS) == info.bps
+                and (info.k == 1 or ((slabs.states[h + 1:h + info.k] == UNIT_TAIL).all()
+                                     and (slabs.clsfield[h + 1:h + info.k] == h).all())))
+
+    def _take_from_slab(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
+        """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
+        slabs = self.slabs
+        base = h * slabs.geo.unit_size
+        nfree = slabs.nfree(h)
+        if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
+            bm = slabs.bitmap(h)
+            free_bits = ~bm & ((1 << info.bps) - 1)
+            got = 0
+            while free_bits and got < want:
+                low = free_bits & -free_bits
+                free_bits ^= low
+                bm |= low
+                pending.append(base + (low.bit_length() - 1) * info.block)
+                got += 1
+            if got:
+                slabs.set_bitmap(h, bm)
+        else:
+            bits = np.unpackbits(np.frombuffer(slabs.bitmap(h).to_bytes(32, "little"), np.uint8), bitorder="little")
+            free = np.flatnonzero(bits[:info.bps] == 0)[:want]
+            got = len(free)
+            if got:
+                bits[free] = 1
+                slabs.set_bitmap(h, int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little"))
+                pending += (base + free * info.block).tolist()
+        nfree = 0 if got == 0 else max(0, nfree - got)  # no free bit: the count was stale
+        slabs.set_nfree(h, nfree)
+        slabs.add_used(info.cid, got)
+        if nfree == 0:
+            slabs.partial_remove(info.cid, h)
+        slabs.mm[slabs.geo.slab_entry(h) + SLAB_REF] = 1
+
+    def _make_room(self, info: ClassInfo, nblocks: int) -> bool:
+        """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
+
+        Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) if the
+        demand policy says so, else evict blocks of this class (block CLOCK); whichever is tried
+        first, the other is the fallback. False if no room could be made.
+        """
+        need = -(-nblocks // info.bps)
+        if nblocks >= info.bps:
+            need += 1  # a batch that fills whole slabs formats one more: the next batch finds it partial
+        with self.locks.pool_lock():
+            runs = self.runs.find_free_runs(info.k, need)
+            for u in runs:
+                self.slabs.format(u, info)
+            if runs:
+                return True
+            move = self.demand.should_move(info)
+            if move and self.mover.move_slab(info):
+                return True
+        if self.clock.evict_blocks(info, nblocks):
+            return True
+        if not move:
+            with self.locks.pool_lock():
+                return self.mover.move_slab(info)
+        return False

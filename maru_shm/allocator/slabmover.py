@@ -1,0 +1,177 @@
+"""Mechanism: move a slab's worth of units from whatever holds them to a class (memcached's slabs_mover.c).
+
+The slab CLOCK hand (superblock `slab_hand`) walks HEAD units; a slab whose ref bits are set gets a
+second chance (cleared as the hand passes). A window of k units is taken only if every slab overlapping
+it can be locked without waiting, holds no block of a live process and no pinned block: its LIVE blocks
+are unpublished in one round of shard locks, then the slabs' units go back to the pool. Whether to move
+at all is demand.py's decision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import crashpoints as _cp
+from ..format import FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL
+from .blockmeta import BlockMetas
+from .classtable import ClassInfo, ClassTable
+from .freeruns import FreeRuns
+from .locking import AllocatorLocks
+from .release import BlockRelease
+from .slabtable import SlabTable
+
+
+class SlabMover:
+    def __init__(self, host, locks: AllocatorLocks, classes: ClassTable, slabs: SlabTable, metas: BlockMetas,
+                 runs: FreeRuns, release: BlockRelease):
+        self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
+        self.metas, self.runs, self.release = metas, runs, release
+
+    def move_slab(self, info: ClassInfo) -> bool:
+        """CLASS[c] and POOL held: evict a slab-CLOCK window and format a slab of the class there."""
+        u = self.evict_for(info)
+        if u is None:
+            return False
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_move")
+        self.slabs.format(u, info)
+        return True
+
+    def evict_for(self, info: ClassInfo) -> int | None:
+        """Slab CLOCK: free a window of info.k units by evicting the slabs in it. CLASS+POOL held."""
+        mm, slabs = self.slabs.mm, self.slabs
+        n, k = self.slabs.geo.n_units, info.k
+        if k > n:
+            return None
+        (hand,) = U32.unpack_from(mm, SLAB_HAND_OFF)
+        hand %= n
+        for sweep in range(3):
+            for step in range(n):
+                u = (hand + step) % n
+                if slabs.state(u) != UNIT_HEAD:
+                    continue
+                cinfo = self.class_table.info(slabs.cls(u))
+                if cinfo is None:
+                    continue
+                if sweep < 2 and slabs.referenced(u, cinfo.k, clear=True):
+                    continue
+                if self.evict_window(min(u, n - k), k, info.cid):
+                    U32.pack_into(mm, SLAB_HAND_OFF, (u + 1) % n)
+                    run = self.runs.find_free_run(k)
+                    if run is not None:
+                        return run
+        return None
+
+    def evict_window(self, w0: int, k: int, my_cid: int) -> bool:
+        """CLASS[my_cid] and POOL held: evict every slab overlapping units [w0, w0 + k) if all can go."""
+        heads = self.slabs.heads_in(w0, k)
+        if heads is None:
+            return False
+        locked: list[int] = []
+        try:
+            infos = []
+            for h in heads:
+                c = self.slabs.cls(h)
+                cinfo = self.class_table.info(c)
+                if cinfo is None or h + cinfo.k > self.slabs.geo.n_units:
+                    return False
+                if c != my_cid and c not in locked:
+                    dirty = self.locks.try_class(c)
+                    if dirty is None:
+                        return False
+                    locked.append(c)
+                    if dirty:
+                        self.locks.repair_class(c)
+                    if self.slabs.state(h) != UNIT_HEAD:
+                        return False
+                if not self.slab_evictable(h, cinfo):
+                    return False
+                infos.append((h, cinfo))
+            self.evict_slabs(infos)
+            return True
+        finally:
+            for c in locked:
+                self.locks.release_class(c)
+
+    def slab_evictable(self, h: int, info: ClassInfo) -> bool:
+        """No block of the slab is owned by a live process or pinned (LIVE with FLAG_PINNED)."""
+        metas, unit = self.metas, self.slabs.geo.unit_size
+        for i in range(info.bps):
+            m = metas.meta_off(h * unit + i * info.block)
+            state = metas.word(m) & 3
+            if state == LIVE and metas.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
+                return False
+            owner = metas.owner(m)
+            if owner and state != FREE and self.host.slot_alive(owner):
+                return False
+        return True
+
+    def evict_slabs(self, slabs: list[tuple[int, ClassInfo]]) -> None:
+        """Holding the slabs' CLASS locks and POOL: unpublish and free every block, return the units.
+
+        The LIVE blocks of all slabs are unpublished in one round of their shard locks
+        (host.unpublish_many), not one lock round per block. A slab one of whose blocks a live process
+        claimed meanwhile is not freed (the window then stays short of free units: the caller looks for
+        a free run anyway).
+        """
+        live, lengths = self._live_blocks(slabs)
+        gone = []
+        if live:
+            halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
+            gone = self.host.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
+                                            np.array([w for _, _, w in live], dtype=np.uint64)).tolist()
+        evicted = sum(gone)
+        evicted_bytes = sum(n for n, g in zip(lengths, gone) if g)
+        moved = 0
+        for h, info in slabs:
+            if self.slab_evictable(h, info):
+                self._return_units(h, info)
+                moved += 1
+            else:
+                self._free_unpublished(h, info, live, gone)
+        self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
+                        orphans_freed=len(live) - evicted)
+
+    def _live_blocks(self, slabs):
+        """(digest, offset, word) and length of every LIVE block of the slabs."""
+        live, lengths = [], []
+        unit = self.slabs.geo.unit_size
+        for h, info in slabs:
+            for i in range(info.bps):
+                off = h * unit + i * info.block
+                word, d, length, _, _ = self.metas.read(off)
+                if word & 3 == LIVE:
+                    live.append((d, off, word))
+                    lengths.append(length)
+        return live, lengths
+
+    def _free_unpublished(self, h: int, info: ClassInfo, live, gone) -> None:
+        """While we unpublished, a live process claimed a block of slab h first (it replaced or deleted the
+        block's entry under the shard lock): that block is its own now, and it may keep it for reuse
+        without a class lock (kept.py), so the slab stays. The blocks we did unpublish are freed one by
+        one. No new claim can follow: no entry names a block of this slab any more, and we hold its
+        class lock."""
+        unit = self.slabs.geo.unit_size
+        end = h * unit + info.bps * info.block
+        for (_, off, word), unpublished in zip(live, gone):
+            if unpublished and h * unit <= off < end and self.metas.word(self.metas.meta_off(off)) == word:
+                self.release.free_block(h, info, (off - h * unit) // info.block, off)
+
+    def _return_units(self, h: int, info: ClassInfo) -> None:
+        """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap
+        and free count need no upkeep: the slab leaves the class and is reformatted on reuse."""
+        slabs, geo = self.slabs, self.slabs.geo
+        g = (h * geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
+        busy = (self.metas.meta_words[g] & np.uint64(3)) != FREE
+        if busy.any():
+            self.metas.free_many(g[busy])
+            slabs.add_used(info.cid, -int(busy.sum()))
+        slabs.partial_remove(info.cid, h)
+        self.runs.lower_free_floor(h)
+        U32.pack_into(slabs.mm, geo.slab_entry(h), UNIT_FREE)  # commit point: the units are free
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_free")
+        for t in range(h + 1, min(h + info.k, geo.n_units)):
+            if slabs.state(t) == UNIT_TAIL:
+                U32.pack_into(slabs.mm, geo.slab_entry(t), UNIT_FREE)
+        slabs.add_slabs(info.cid, -1)

@@ -1,0 +1,206 @@
+"""The slab table: one 64-byte entry per unit (FORMAT.md section 4), and the derived state kept in it.
+
+A HEAD entry (state, class) is one of the two sources of truth: it says which units form a slab of
+which class. TAIL entries, bitmaps, free counts, the partial list links and the ref bit are derived and
+are rebuilt by repair (repair.py) when a holder died mid-section. Every method here that writes expects
+the CLASS lock of the slab's class (and POOL where it changes a unit's state).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import crashpoints as _cp
+from ..format import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
+                      SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE, U32,
+                      UNIT_HEAD, UNIT_TAIL)
+from .classtable import ClassInfo, ClassTable
+
+
+def get32(mm, off: int) -> int:
+    return U32.unpack_from(mm, off)[0]
+
+
+def set32(mm, off: int, v: int) -> None:
+    U32.pack_into(mm, off, v & 0xFFFFFFFF)  # a damaged counter + 1 wraps (repair recounts)
+
+
+class SlabTable:
+    def __init__(self, mm, geo, classes: ClassTable):
+        self.mm, self.geo, self.class_table = mm, geo, classes
+        n, base = geo.n_units, geo.off_slabs
+        self.states = np.ndarray((n,), dtype="<u4", buffer=mm, offset=base + SLAB_STATE, strides=(SLAB_ENTRY,))
+        self.clsfield = np.ndarray((n,), dtype="<u4", buffer=mm, offset=base + SLAB_CLS, strides=(SLAB_ENTRY,))
+        # slab ref bits, one per unit (a batch of reads marks its slabs recently used in one pass)
+        self.unit_refs = np.ndarray((n,), dtype=np.uint8, buffer=mm, offset=base + SLAB_REF, strides=(SLAB_ENTRY,))
+
+    def release_views(self) -> None:
+        self.states = self.clsfield = self.unit_refs = None
+
+    # ---------------------------------------------------------------- locating
+    def state(self, u: int) -> int:
+        return get32(self.mm, self.geo.slab_entry(u))
+
+    def cls(self, u: int) -> int:
+        """The class of a HEAD, or the head unit a TAIL names."""
+        return get32(self.mm, self.geo.slab_entry(u) + SLAB_CLS)
+
+    def head_of(self, offset: int):
+        """(head unit, ClassInfo) of the slab containing data offset, or (None, None)."""
+        n = self.geo.n_units
+        u = offset // self.geo.unit_size
+        if not 0 <= u < n:
+            return None, None
+        st, c = self.state(u), self.cls(u)
+        if st == UNIT_TAIL:
+            u = c
+            if not 0 <= u < n or self.state(u) != UNIT_HEAD:
+                return None, None
+            c = self.cls(u)
+        elif st != UNIT_HEAD:
+            return None, None
+        info = self.class_table.info(c)
+        if info is None:
+            self.class_table.refresh()
+            info = self.class_table.info(c)
+        return (u, info) if info else (None, None)
+
+    def block_index(self, offset: int):
+        """(head, ClassInfo, block index) if offset is a block start of a slab, else None."""
+        h, info = self.head_of(offset)
+        if h is None:
+            return None
+        i, r = divmod(offset - h * self.geo.unit_size, info.block)
+        if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
+            return None
+        return h, info, i
+
+    def class_slabs(self, cid: int) -> list[int]:
+        return [int(h) for h in np.flatnonzero((self.states == UNIT_HEAD) & (self.clsfield == cid))]
+
+    def heads_in(self, w0: int, k: int) -> list[int] | None:
+        """Heads of the slabs overlapping units [w0, w0 + k); None if a TAIL there names no HEAD before it."""
+        heads: list[int] = []
+        for u in range(w0, w0 + k):
+            st = self.state(u)
+            h = u if st == UNIT_HEAD else (self.cls(u) if st == UNIT_TAIL else None)
+            if h is not None and st == UNIT_TAIL and not (0 <= h < u and self.state(h) == UNIT_HEAD):
+                return None  # damaged (repair_pool rewrites tails): not a window to evict
+            if h is not None and (not heads or heads[-1] != h):
+                heads.append(h)
+        return heads
+
+    def referenced(self, h: int, k: int, clear: bool) -> bool:
+        """Is a ref bit set on units h .. h+k-1 (the slab CLOCK's second chance)? Clear them if asked."""
+        hit = False
+        for u in range(h, min(h + k, self.geo.n_units)):
+            r = self.geo.slab_entry(u) + SLAB_REF
+            if self.mm[r]:
+                hit = True
+                if clear:
+                    self.mm[r] = 0
+        return hit
+
+    # ---------------------------------------------------------------- bitmap (CLASS held)
+    def bitmap(self, h: int) -> int:
+        s = self.geo.slab_entry(h) + SLAB_BITMAP
+        return int.from_bytes(self.mm[s:s + BITMAP_BYTES], "little")
+
+    def set_bitmap(self, h: int, bits: int) -> None:
+        s = self.geo.slab_entry(h) + SLAB_BITMAP
+        self.mm[s:s + BITMAP_BYTES] = bits.to_bytes(BITMAP_BYTES, "little")
+
+    def bit(self, h: int, i: int) -> bool:
+        return bool(self.mm[self.geo.slab_entry(h) + SLAB_BITMAP + (i >> 3)] & (1 << (i & 7)))
+
+    def set_bit(self, h: int, i: int, on: bool) -> None:
+        o = self.geo.slab_entry(h) + SLAB_BITMAP + (i >> 3)
+        b = self.mm[o]
+        self.mm[o] = (b | (1 << (i & 7))) if on else (b & ~(1 << (i & 7)) & 0xFF)
+
+    def nfree(self, h: int) -> int:
+        return get32(self.mm, self.geo.slab_entry(h) + SLAB_NFREE)
+
+    def set_nfree(self, h: int, n: int) -> None:
+        set32(self.mm, self.geo.slab_entry(h) + SLAB_NFREE, n)
+
+    def blocks_freed(self, h: int, info: ClassInfo, n: int) -> None:
+        """CLASS held: n blocks of slab h went back to free: count them and put the slab on the partial list."""
+        self.set_nfree(h, min(info.bps, self.nfree(h) + n))
+        self.add_used(info.cid, -n)
+        self.partial_push(info.cid, h)
+
+    # ---------------------------------------------------------------- class counters and partial list (CLASS held)
+    def add_used(self, cid: int, delta: int) -> None:
+        o = self.geo.class_entry(cid) + CLS_USED
+        set32(self.mm, o, max(0, get32(self.mm, o) + delta))
+
+    def add_slabs(self, cid: int, delta: int) -> None:
+        o = self.geo.class_entry(cid) + CLS_NSLABS
+        set32(self.mm, o, max(0, get32(self.mm, o) + delta))
+
+    def partial_head(self, cid: int) -> int:
+        """Head unit + 1 of the first slab on the class's partial list, 0 if it is empty."""
+        return get32(self.mm, self.geo.class_entry(cid) + CLS_PARTIAL)
+
+    def partial_push(self, cid: int, h: int) -> None:
+        mm, geo = self.mm, self.geo
+        s = geo.slab_entry(h)
+        if mm[s + SLAB_INPARTIAL]:
+            return
+        head = self.partial_head(cid)
+        set32(mm, s + SLAB_NEXT, head)
+        set32(mm, s + SLAB_PREV, 0)
+        if head and head - 1 < geo.n_units:
+            set32(mm, geo.slab_entry(head - 1) + SLAB_PREV, h + 1)
+        mm[s + SLAB_INPARTIAL] = 1
+        set32(mm, geo.class_entry(cid) + CLS_PARTIAL, h + 1)
+
+    def partial_remove(self, cid: int, h: int) -> None:
+        mm, geo = self.mm, self.geo
+        s = geo.slab_entry(h)
+        if not mm[s + SLAB_INPARTIAL]:
+            return
+        nxt, prv = get32(mm, s + SLAB_NEXT), get32(mm, s + SLAB_PREV)
+        if prv and prv - 1 < geo.n_units:
+            set32(mm, geo.slab_entry(prv - 1) + SLAB_NEXT, nxt)
+        else:
+            set32(mm, geo.class_entry(cid) + CLS_PARTIAL, nxt)
+        if nxt and nxt - 1 < geo.n_units:
+            set32(mm, geo.slab_entry(nxt - 1) + SLAB_PREV, prv)
+        set32(mm, s + SLAB_NEXT, 0)
+        set32(mm, s + SLAB_PREV, 0)
+        mm[s + SLAB_INPARTIAL] = 0
+
+    def unlink_all(self, cid: int, h: int) -> None:
+        """Repair: forget slab h's partial-list links (the list is rebuilt from scratch)."""
+        s = self.geo.slab_entry(h)
+        set32(self.mm, s + SLAB_NEXT, 0)
+        set32(self.mm, s + SLAB_PREV, 0)
+        self.mm[s + SLAB_INPARTIAL] = 0
+
+    # ---------------------------------------------------------------- formatting (CLASS and POOL held)
+    def format(self, h: int, info: ClassInfo) -> None:
+        """Make units h .. h+k-1 a slab of the class.
+
+        TAILs are written before the HEAD: once the HEAD exists, every block of the slab, including
+        those starting in a tail unit, must resolve (readers, free_blocks and reaping find a block's
+        slab through its unit). A crash before the HEAD leaves TAILs of a unit that is not a HEAD,
+        which POOL repair clears; a crash after it leaves only class-derived state (count, partial
+        list) stale, which class repair rebuilds.
+        """
+        mm = self.mm
+        if info.k > 1:  # tails: head pointer first, then the state (numpy: one pass each)
+            self.clsfield[h + 1:h + info.k] = h
+            self.states[h + 1:h + info.k] = UNIT_TAIL
+        s = self.geo.slab_entry(h)
+        mm[s:s + SLAB_ENTRY] = bytes(SLAB_ENTRY)
+        set32(mm, s + SLAB_CLS, info.cid)
+        set32(mm, s + SLAB_NFREE, info.bps)
+        set32(mm, s + SLAB_NBLOCKS, info.bps)
+        mm[s + SLAB_REF] = 1
+        set32(mm, s + SLAB_STATE, UNIT_HEAD)  # commit point: the units now belong to the class
+        if _cp.ARMED is not None:
+            _cp.hit("slab.mid_format")
+        self.add_slabs(info.cid, 1)
+        self.partial_push(info.cid, h)
