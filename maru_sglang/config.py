@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import uuid
 
-from maru_shm.sizes import parse_size
+from maru_shm import parse_size
 
 logger = logging.getLogger("maru_sglang")
 

@@ -53,7 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolH
                                                   PoolTransferResult)
 
 from maru_shm import format_size
-from maru_shm.index import prefixed_digests
+from maru_shm import prefixed_digests
 
 from .namespace import kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages

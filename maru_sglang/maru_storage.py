@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 from maru_shm import SizeMismatchError, Store, StoreError, format_size
 
 from . import hybrid
-from maru_shm.index import prefixed_digest, prefixed_digests
+from maru_shm import prefixed_digest, prefixed_digests
 
 from .config import MaruConfig
 from .namespace import kv_format_fingerprint, namespace_for

@@ -8,16 +8,29 @@
 See docs/FORMAT.md for the file format and its crash-safety protocol.
 """
 
+from .admin import check_pool, destroy_pool, is_device, plan_pool, repair_pool
+from .check import CheckReport
 from .errors import (CorruptPoolError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
-                     PoolDamagedError,
-                     SizeMismatchError, StoreError, TruncatedPoolError, ValueTooLargeError, VersionError)
+                     PoolDamagedError, PoolInUseError, SizeMismatchError, StoreError, TruncatedPoolError,
+                     ValueTooLargeError, VersionError)
+from .format import Geometry
+from .index import key_digest, prefixed_digest, prefixed_digests
+from .poolview import PoolView, report as pool_report
 from .sizes import format_size, parse_size
 from .store import Store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Store", "StoreError", "NotAPoolError", "VersionError", "CorruptPoolError", "TruncatedPoolError",
-    "SizeMismatchError", "PermissionDeniedError", "LockTimeout", "ValueTooLargeError", "PoolClosedError", "PoolDamagedError",
+    # the store
+    "Store", "key_digest", "prefixed_digest", "prefixed_digests",
+    # administration and read-only views (the CLI's way in)
+    "PoolView", "pool_report", "check_pool", "repair_pool", "destroy_pool", "plan_pool", "is_device",
+    "CheckReport", "Geometry",
+    # errors
+    "StoreError", "NotAPoolError", "VersionError", "CorruptPoolError", "TruncatedPoolError",
+    "SizeMismatchError", "PermissionDeniedError", "LockTimeout", "ValueTooLargeError", "PoolClosedError",
+    "PoolDamagedError", "PoolInUseError",
+    # sizes
     "parse_size", "format_size",
 ]

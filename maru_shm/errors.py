@@ -43,3 +43,11 @@ class ValueTooLargeError(StoreError):
 
 class PoolClosedError(StoreError):
     """The store was used after close()."""
+
+
+class PoolInUseError(StoreError):
+    """An administrative action found live processes attached to the pool (`processes`: who)."""
+
+    def __init__(self, message: str, processes: list):
+        super().__init__(message)
+        self.processes = processes

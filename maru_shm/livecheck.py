@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .allocator import Allocator
-from .check import CheckReport, _bad_heads, _block_starts, _class_entry_problem
+from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
 from .errors import LockTimeout, StoreError
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
                      LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
@@ -170,7 +170,7 @@ def _check_class_table(pool, report) -> list[int]:
     alloc.invalidate_classes()
     alloc.refresh_classes()
     for cid in range(g.class_cap):
-        why = _class_entry_problem(pool, cid)
+        why = class_entry_problem(pool, cid)
         if why:
             report.problem(why)
     return [c for c in range(g.class_cap)
@@ -209,16 +209,16 @@ def _check_units(pool, report) -> None:
     if hidden.size:
         report.problem(f"free_floor {floor} is above free unit {int(hidden[0])}: the search for free units "
                        "skips it (repair restarts the floor at 0)")
-    starts = _block_starts(pool)
+    starts = block_starts(pool)
     words = alloc.meta_words.copy()
     for gi in np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts).tolist()[:50]:
         report.problem(f"block meta of granule {gi}: in use but no block starts there")
 
 
 def _slabs_of(pool, c: int) -> list[int]:
-    """Heads of class c's slabs that are usable (not among check._bad_heads, which _check_units reports)."""
+    """Heads of class c's slabs that are usable (not among checkrules.bad_heads, which _check_units reports)."""
     alloc = pool.alloc
-    bad = {h for h, _ in _bad_heads(pool)}
+    bad = {h for h, _ in bad_heads(pool)}
     return [h for h in np.flatnonzero((alloc.states == UNIT_HEAD) & (alloc.clsfield == c)).tolist() if h not in bad]
 
 

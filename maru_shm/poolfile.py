@@ -21,6 +21,7 @@ from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUP
                      Geometry)
 from .locks import ofd_trylock, ofd_unlock
 from .sizeclasses import planned_geometric
+from .sizes import format_size
 
 DAX_ALIGN = 2 << 20
 
@@ -383,7 +384,6 @@ def regrow_truncated(fd: int, path: str, size: int, file_size: int) -> Truncated
 
 
 def _human(n: int) -> str:
-    from .sizes import format_size
     return format_size(n)
 
 

@@ -31,12 +31,14 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import Allocator
 from .attachment import Attachment
+from .check import check_store
 from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
 from .index import digest_array, key_digest
 from .pieces import Pieces
 from .poolfile import PoolFile, ensure_backed, open_pool_file
+from .poolview import pool_stats
 from .proctable import ProcessTable
 from .publish import Publisher
 from .readpath import ReadPath
@@ -478,14 +480,12 @@ class Store:
     @_entry
     def check(self, repair: bool = False):
         """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
-        from .check import check_store
         return check_store(self, repair=repair)
 
     @_entry
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
         self.flush_counters()
-        from .inspect import pool_stats
         return pool_stats(self)
 
 

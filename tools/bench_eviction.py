@@ -211,7 +211,7 @@ class _WindowObserver:
 def run_store(trace, sizes, pool_bytes: int, warm: int, path: str, progress=None, samples: int = 16) -> dict:
     """Get-or-put of the trace against a fresh Store of pool_bytes; hits counted over trace[warm:]."""
     from maru_shm import Store
-    from maru_shm.inspect import report
+    from maru_shm import pool_report as report
 
     sizes_l = sizes.tolist()
     tr = trace.tolist()

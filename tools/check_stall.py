@@ -40,7 +40,7 @@ def _writer(path: str, seed: int, stop, out) -> None:
 
 def main(argv=None) -> int:
     from maru_shm import Store
-    from maru_shm.sizes import parse_size
+    from maru_shm import parse_size
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="4G")
     ap.add_argument("--writers", type=int, default=2)

@@ -33,7 +33,7 @@ class CliError(Exception):
 
 # --------------------------------------------------------------------------- helpers
 def _size_arg(text: str) -> int:
-    from maru_shm.sizes import parse_size
+    from maru_shm import parse_size
     try:
         return parse_size(text)
     except ValueError as e:
@@ -112,12 +112,9 @@ def cmd_create(args) -> int:
     knobs = {k: getattr(args, k) for k in _PLAN_KNOBS if getattr(args, k) is not None}
     if not device:
         # Plan first: Store.open creates the file before it finds out that the size cannot work.
-        from maru_shm.format import Geometry
-        from maru_shm.sizes import parse_size
-        plan = {**_open_defaults(), **knobs}
+        from maru_shm import plan_pool
         try:
-            plan["max_value"] = parse_size(plan["max_value"])
-            Geometry.plan(args.size, **plan)
+            plan_pool(args.size, **{**_open_defaults(), **knobs})
         except ValueError as e:
             raise CliError(f"cannot create a pool at {path}: {e}") from None
     store = Store.open(path, size=None if device else args.size, create=True, mode=args.mode, **knobs)
@@ -135,12 +132,12 @@ def cmd_create(args) -> int:
 
 # --------------------------------------------------------------------------- inspect
 def _report(view) -> dict:
-    from maru_shm.inspect import report
-    return report(view)
+    from maru_shm import pool_report
+    return pool_report(view)
 
 
 def cmd_inspect(args) -> int:
-    from maru_shm.inspect import PoolView
+    from maru_shm import PoolView
     from tools import render
     with PoolView.open(args.path) as view:
         rep = _report(view)
@@ -194,30 +191,22 @@ class _Progress:
 
 
 def cmd_check(args) -> int:
-    from maru_shm import Store
-    from maru_shm.check import check_store
-    from maru_shm.inspect import PoolView
-    from maru_shm.livecheck import check_live
+    from maru_shm import check_pool, repair_pool
     tty = _is_tty(sys.stderr)
-    # The check itself is read-only (a read-only mapping, shared locks one domain at a time, no process
-    # slot): it never writes, and writers keep working while it runs. Only --repair attaches.
-    with PoolView.open(args.path) as view:
-        progress = _Progress(tty)
-        try:
-            first = check_live(view, timeout=args.timeout, progress=progress)
-        finally:
-            progress.stop()
+    # The check itself is read-only (it never writes, and writers keep working while it runs); only
+    # --repair attaches.
+    progress = _Progress(tty)
+    try:
+        first = check_pool(args.path, timeout=args.timeout, progress=progress)
+    finally:
+        progress.stop()
     after = None
     if args.repair and not first.ok:
-        store = Store.open(args.path, timeout=args.timeout, mode=0o660)  # a group pool is repaired too
+        progress = _Progress(tty)
         try:
-            progress = _Progress(tty)
-            try:
-                after = check_store(store, repair=True, progress=progress)
-            finally:
-                progress.stop()
+            after = repair_pool(args.path, timeout=args.timeout, progress=progress)
         finally:
-            store.close()
+            progress.stop()
     rc = EXIT_OK if (after or first).ok else EXIT_PROBLEMS
     args._rc = rc
     scope = f"{first.checked_blocks:,} blocks, {first.checked_entries:,} index entries"
@@ -239,8 +228,7 @@ def cmd_check(args) -> int:
 
 # --------------------------------------------------------------------------- watch
 def cmd_watch(args) -> int:
-    from maru_shm.errors import StoreError
-    from maru_shm.inspect import PoolView
+    from maru_shm import PoolView, StoreError
     from tools import render
 
     view = PoolView.open(args.path)
@@ -316,63 +304,18 @@ def _watch_sections(rep, prev):
 
 # --------------------------------------------------------------------------- destroy
 def cmd_destroy(args) -> int:
-    from maru_shm.errors import StoreError
-    from maru_shm.format import LOCK_PROC, MAGIC, SUPERBLOCK_SIZE
-    from maru_shm.inspect import PoolView, processes
-    from maru_shm.locks import ofd_trylock, ofd_unlock
-    from maru_shm.poolfile import side_lock_path
-
+    from maru_shm import PoolInUseError, destroy_pool, is_device
     path = args.path
+    device = is_device(path)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CliError(f"{path} does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise CliError(f"{path} is a symlink; give the pool's real path")
-    device = stat.S_ISCHR(st.st_mode)
-    if not device and not stat.S_ISREG(st.st_mode):
-        raise CliError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    lock_fd = fd
-    try:
-        if os.pread(fd, 8, 0) != MAGIC:
-            raise CliError(f"{path} is not a maru-shm pool (wrong magic); refusing to destroy it")
-        if device:
-            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        # Hold PROC while deciding: attaching takes it, so nobody can attach between the look and the removal.
-        deadline = time.monotonic() + args.timeout
-        while not ofd_trylock(lock_fd, LOCK_PROC):
-            if time.monotonic() > deadline:
-                raise CliError(f"timed out after {args.timeout:g}s waiting for the process-table lock of {path}")
-            time.sleep(0.005)
-        try:
-            try:
-                with PoolView.open(path) as view:
-                    alive = [p for p in processes(view) if p["alive"]]
-            except StoreError as e:
-                if not args.force:
-                    raise CliError(f"{e} (use --force to destroy a damaged pool)") from None
-                alive = []
-            if alive:
-                who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in alive)
-                if not args.force:
-                    _warn(f"refusing to destroy {path}: {len(alive)} live process(es) attached: {who}; "
-                          "stop them first or use --force")
-                    return EXIT_PROBLEMS
-                _warn(f"warning: destroying {path} while {len(alive)} process(es) are attached: {who}")
-            if device:
-                os.pwrite(fd, bytes(SUPERBLOCK_SIZE), 0)
-                os.fsync(fd)
-                _print(f"destroyed {path}: superblock zeroed (the device is kept)")
-            else:
-                os.unlink(path)
-                _print(f"destroyed {path}")
-        finally:
-            ofd_unlock(lock_fd, LOCK_PROC)
-    finally:
-        if lock_fd != fd:
-            os.close(lock_fd)
-        os.close(fd)
+        attached = destroy_pool(path, force=args.force, timeout=args.timeout)
+    except PoolInUseError as e:
+        _warn(str(e))
+        return EXIT_PROBLEMS
+    if attached:
+        who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in attached)
+        _warn(f"warning: destroyed {path} while {len(attached)} process(es) were attached: {who}")
+    _print(f"destroyed {path}: superblock zeroed (the device is kept)" if device else f"destroyed {path}")
     return EXIT_OK
 
 
@@ -473,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(fn, command: str, args) -> int:
-    from maru_shm.errors import StoreError
+    from maru_shm import StoreError
     try:
         rc = fn()
     except CliError as e:

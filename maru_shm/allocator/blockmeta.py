@@ -106,8 +106,10 @@ class BlockMetas:
         mm = self.mm
         store_u64(mm, m, next_word(word, RESERVED))
         crash_point()  # RESERVED, still the old digest and length
-        _REST.pack_into(mm, m + 8, digest, length, owner, 0)
-        mm[m + META_FLAGS_OFF] = 0  # a new lifetime is not pinned
+        # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
+        # before packing, and the live check, which reads this meta without the class lock we do not
+        # hold here, would see a RESERVED block owned by nobody.
+        mm[m + 8:m + META_SIZE] = _REST.pack(digest, length, owner, 0) + b"\0"  # flags 0: not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""

@@ -43,7 +43,7 @@ from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BA
                              SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE,
                              UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry)
 from maru_shm.index import key_digest
-from maru_shm.inspect import PoolView, report
+from maru_shm.poolview import PoolView, report
 
 from ..conftest import check_value, make_value
 

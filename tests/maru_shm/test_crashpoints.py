@@ -68,7 +68,7 @@ def run_child(pool_path: str, point: str, body: str, *, timeout: float = 60) -> 
 
 def raw_entry(pool_path: str, key) -> tuple[int, int, int]:
     """(entry word, entry offset, word of the block at that offset), read without attaching."""
-    from maru_shm.inspect import PoolView
+    from maru_shm.poolview import PoolView
     v = PoolView.open(pool_path)
     try:
         idx = Index(v.mm, v.geo)

@@ -210,7 +210,10 @@ def test_wrong_version(closed_pool):
 
 
 def test_bad_checksum(closed_pool):
-    _patch(closed_pool, 160, b"\xff")  # inside pool_uuid, covered by the checksum
+    with open(closed_pool, "rb") as f:
+        f.seek(160)
+        byte = f.read(1)[0]
+    _patch(closed_pool, 160, bytes([byte ^ 0xFF]))  # inside pool_uuid, covered by the checksum (always a change)
     with pytest.raises(CorruptPoolError):
         Store.open(closed_pool)
 

@@ -333,7 +333,7 @@ def test_watch_when_piped(pool_path):
 
 def test_store_stats_and_inspect_agree(pool_path):
     fill(pool_path)
-    from maru_shm.inspect import PoolView, class_table, pool_stats
+    from maru_shm.poolview import PoolView, class_table, pool_stats
     with Store.open(pool_path) as s:
         st = s.stats()
         with PoolView.open(pool_path) as v:

@@ -29,6 +29,7 @@ from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, 
                      RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY, SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD,
                      VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
+from .poolfile import dax_size, open_existing, side_lock_path
 
 #: Version of the `report()` layout (the `maru-shm inspect --json` object).
 REPORT_SCHEMA = 1
@@ -56,14 +57,12 @@ class PoolView:
 
     @classmethod
     def of(cls, store) -> "PoolView":
-        pf = getattr(store, "_pf", None)
         return cls(store.mm, store.geo, store.path, store.locks.fd, self_slot=store.slot,
-                   is_device=bool(pf.is_device) if pf is not None else bool(store.geo.flags & FLAG_DEVICE))
+                   is_device=bool(store.geo.flags & FLAG_DEVICE))
 
     @classmethod
     def open(cls, path) -> "PoolView":
         """Map the pool at `path` read-only; raise a StoreError subclass naming the problem."""
-        from .poolfile import dax_size, open_existing, side_lock_path
         path = os.fspath(path)
         fd = open_existing(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         fds = [fd]

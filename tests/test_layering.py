@@ -1,0 +1,163 @@
+"""The architecture, checked: layers import only downward, the allocator and the index never import each
+other, nothing imports in a cycle, and clients use only the public face of maru_shm.
+
+    L4  the Store facade, checks and repair, read-only pool view, administration
+    L3  the store's parts: attachment, process table, reaper, counters, the validity rule, read path,
+        write path, publication, put batches, batch lookup
+    L2  allocator/  index/  locks  poolfile  pieces  faultguard  fence
+    L1  format (superblock, geometry, records, words, lock ids), size classes
+    L0  errors, human sizes, crash points
+
+The imports are read from the source (ast), so a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+LAYERS = {
+    0: {"errors", "sizes", "crashpoints"},
+    1: {"format", "sizeclasses"},
+    2: {"allocator", "index", "locks", "poolfile", "pieces", "faultguard", "fence"},
+    3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",
+        "putbatch", "resolve"},
+    4: {"store", "check", "checkrules", "livecheck", "poolview", "admin", "__init__"},
+}
+LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
+# Benchmarks measure internals (lock costs, raw copies) on purpose; every other client uses the public face.
+BENCHMARK_MODULES = {"bench.py", "bench_scaling.py", "bench_eviction.py", "bench_hybrid.py", "bench_sglang.py"}
+
+
+def _component(module: str) -> str:
+    """maru_shm.allocator.slabtable -> allocator; maru_shm.store -> store; maru_shm -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    """Absolute names of every module `path` imports (relative imports resolved; `from x import y`
+    counts as x.y when y is a module of the package, else x)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                is_module = (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() \
+                    or (ROOT / sub.replace(".", "/") / "__init__.py").exists()
+                out.append(sub if is_module else mod)
+    return out
+
+
+def _package_files(package: str) -> list[pathlib.Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _store_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in _package_files("maru_shm"):
+        name = _module_name(path)
+        graph[name] = {m for m in _imports(path) if m == "maru_shm" or m.startswith("maru_shm.")}
+    return graph
+
+
+def test_every_store_module_has_a_layer():
+    missing = {_component(m) for m in _store_graph()} - set(LAYER_OF)
+    assert not missing, f"modules without a layer in tests/test_layering.py: {sorted(missing)}"
+
+
+def test_layers_import_only_downward():
+    upward = []
+    for mod, deps in _store_graph().items():
+        mine = LAYER_OF[_component(mod)]
+        for dep in deps:
+            if LAYER_OF.get(_component(dep), 99) > mine:
+                upward.append(f"{mod} (L{mine}) imports {dep} (L{LAYER_OF.get(_component(dep))})")
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("a, b", [("allocator", "index"), ("index", "allocator")])
+def test_allocator_and_index_never_import_each_other(a, b):
+    bad = [f"{mod} imports {dep}" for mod, deps in _store_graph().items() if _component(mod) == a
+           for dep in deps if _component(dep) == b]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle():
+    graph = _store_graph()
+    # a package's __init__ re-exports its modules: an edge from a module to its own package is not a cycle
+    edges = {m: {d for d in deps if d in graph and not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d]
+            if d not in state and (cycle := visit(d)):
+                return cycle
+        state[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (cycle := visit(m)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def _client_files():
+    for package in ("maru_sglang", "tools"):
+        for path in _package_files(package):
+            if package == "tools" and path.name in BENCHMARK_MODULES:
+                continue
+            yield path
+
+
+@pytest.mark.parametrize("path", list(_client_files()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_clients_use_only_the_public_face(path):
+    import maru_shm
+    bad = []
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.startswith("maru_shm.")]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("maru_shm."):
+                bad.append(node.module)
+            elif node.module == "maru_shm":
+                bad += [f"maru_shm.{a.name}" for a in node.names if a.name not in maru_shm.__all__
+                        and a.name != "__version__"]
+    assert not bad, f"{path.name} reaches past `from maru_shm import ...`: {bad}"
+
+
+def test_relative_imports_are_resolved():
+    """The tests above would pass vacuously if _imports missed relative imports."""
+    probe = ROOT / "maru_shm" / "format.py"
+    assert "maru_shm.sizeclasses" in _imports(probe)
+    assert "maru_shm.errors" in _imports(probe)
+    store = ROOT / "maru_shm" / "store.py"
+    assert {"maru_shm.publish", "maru_shm.allocator"} <= set(_imports(store))
