@@ -94,7 +94,7 @@ def _open_defaults() -> dict:
 
 def cmd_create(args) -> int:
     from maru_shm import Store
-    from tools import render
+    from . import render
     path = args.path
     device = False
     try:
@@ -138,7 +138,7 @@ def _report(view) -> dict:
 
 def cmd_inspect(args) -> int:
     from maru_shm import PoolView
-    from tools import render
+    from . import render
     with PoolView.open(args.path) as view:
         rep = _report(view)
     if args.json:
@@ -229,7 +229,7 @@ def cmd_check(args) -> int:
 # --------------------------------------------------------------------------- watch
 def cmd_watch(args) -> int:
     from maru_shm import PoolView, StoreError
-    from tools import render
+    from . import render
 
     view = PoolView.open(args.path)
     tty = _is_tty(sys.stdout) and not args.json
@@ -297,7 +297,7 @@ _WATCH_ORDER = ("Space", "Index", "Counters", "Repair", "Processes", "Size class
 def _watch_sections(rep, prev):
     """The inspect summary for a live view: the static pool description left out, and the one
     section that can grow long (size classes) last, so a short terminal crops only its tail."""
-    from tools import render
+    from . import render
     by_title = {s.title: s for s in render.sections(rep, prev)}
     return [by_title[t] for t in _WATCH_ORDER if t in by_title]
 
@@ -322,13 +322,14 @@ def cmd_destroy(args) -> int:
 # --------------------------------------------------------------------------- bench
 def cmd_bench(bench_args: list[str]) -> int:
     import importlib
+    name = f"{__package__}.benchmarks"
     try:
-        # import_module reads sys.modules first; `import tools.bench as bench` would prefer the attribute
+        # import_module reads sys.modules first; `from . import benchmarks` would prefer the attribute
         # the package got when another caller imported it, so a stand-in in sys.modules would be ignored
-        bench = importlib.import_module("tools.bench")
+        bench = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name in ("tools.bench",):
-            _warn("bench is unavailable: tools/bench.py is not installed with this copy of maru-shm")
+        if e.name == name:
+            _warn("bench is unavailable: the benchmarks package is not installed with this copy of maru-shm")
             return EXIT_ERROR
         raise
     rc = bench.main(bench_args)

@@ -16,9 +16,9 @@ import uuid
 import numpy as np
 import pytest
 
-from tools import bench
-from tools.bench_eviction import LRU, clock_hits, eviction, key_sizes, lru_hits, random_hits, zipf_trace
-from tools.bench_scaling import scaling, verdict
+from tools.benchmarks import runner as bench
+from tools.benchmarks.eviction import LRU, clock_hits, eviction, key_sizes, lru_hits, random_hits, zipf_trace
+from tools.benchmarks.scaling import scaling, verdict
 
 FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
 
@@ -158,8 +158,8 @@ def test_scaling_verdict():
 # --------------------------------------------------------------------------- charts
 def test_charts_write_non_empty_pngs(tmp_path, eviction_result, scaling_result):
     pytest.importorskip("matplotlib")
-    from tools.charts import main as charts_main
-    from tools.charts import render_charts
+    from tools.benchmarks.charts import main as charts_main
+    from tools.benchmarks.charts import render_charts
     doc = {"machine": bench.machine(), "results": [
         {"scenario": "capacity", "value_bytes": 131072, "ours": 0.99, "peer": 0.125},
         {"scenario": "mixed", "ours": 0.91, "fixed_512k": 0.55, "pow2_classes": 0.75, "maru_1m": 0.27},

@@ -491,12 +491,12 @@ def test_bench_is_dispatched(monkeypatch, capsys):
 
     from tools import cli
     got = []
-    fake = types.ModuleType("tools.bench")
+    fake = types.ModuleType("tools.benchmarks")
     fake.main = lambda args: got.append(args) or 3
-    monkeypatch.setitem(sys.modules, "tools.bench", fake)
+    monkeypatch.setitem(sys.modules, "tools.benchmarks", fake)
     assert cli.main(["bench", "--only", "ops", "-x"]) == 3
     assert got == [["--only", "ops", "-x"]]
-    monkeypatch.setitem(sys.modules, "tools.bench", None)  # as if tools/bench.py were absent
+    monkeypatch.setitem(sys.modules, "tools.benchmarks", None)  # as if the benchmarks were not installed
     assert cli.main(["bench"]) == 2
     assert "bench is unavailable" in capsys.readouterr().err
 
@@ -511,6 +511,19 @@ def test_installed_console_script(pool_path):
     assert json.loads(r.stdout)["index"]["entries"] == 220
     assert run("check", pool_path, cmd=[str(script)]).returncode == 0
     assert_error(run("inspect", pool_path + ".missing", cmd=[str(script)]), "does not exist")
+
+
+def test_the_install_adds_no_top_level_package_named_tools(tmp_path):
+    """The CLI installs as maru_shm_tools: a package called `tools` in site-packages would collide with any
+    other project's. Run from an empty directory, so the repository's own folder is not on the path."""
+    script = Path(sys.executable).parent / "maru-shm"
+    if not script.exists():
+        pytest.skip(f"no maru-shm console script next to {sys.executable} (project not pip-installed)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = "import importlib.util as u; print(u.find_spec('tools') is None, u.find_spec('maru_shm_tools') is not None)"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr
+    assert "maru_shm_tools.cli" in script.read_text()
 
 
 # --------------------------------------------------------------------------- a real terminal

@@ -1,6 +1,6 @@
 """PNG charts of `maru-shm bench --json` results, drawn with matplotlib (Agg, no display).
 
-    python -m tools.charts results.json DIR     (or: maru-shm bench --charts DIR)
+    python -m tools.benchmarks.charts results.json DIR     (or: maru-shm bench --charts DIR)
 
 Writes, for the scenarios present in the results:
   scaling.png      aggregate ops/s and p99 latency vs processes, ours vs the
@@ -179,7 +179,7 @@ def render_charts(doc: dict, out_dir: str, note: str = "") -> list[str]:
 
 def main(argv=None) -> int:
     import argparse
-    p = argparse.ArgumentParser(prog="python -m tools.charts", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.benchmarks.charts", description=__doc__.splitlines()[0])
     p.add_argument("results", help="JSON written by `maru-shm bench --json` ('-' for stdin)")
     p.add_argument("out_dir", help="directory for the PNG files")
     p.add_argument("--note", default="", help="text added to every chart's footer (e.g. 'provisional')")

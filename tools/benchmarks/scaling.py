@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from .registry import figure, progress_of, scenario
+
 VALUE = 128 << 10
 PROCESSES = (1, 2, 4, 8)
 
@@ -325,3 +327,32 @@ def verdict(points: list[dict], ncores: int) -> dict:
     checks = [v["met"] for v in (out["scales"], out["no_collapse"]) if v]
     out["met"] = all(checks) if checks else None
     return out
+
+
+NAME = "scaling"
+
+
+@scenario(NAME)
+def bench_scaling(args) -> dict:
+    r = scaling(args.processes, duration=args.duration, repeat=args.repeat, progress=progress_of(args))
+    figs = []
+    for p in r["points"]:
+        n = p["processes"]
+        figs.append(figure(f"{n} processes, aggregate ops/s", p["ops_s"]["median"], p["copy_ops_s"]["median"],
+                           "plain 128 KiB copies, same processes", unit="ops/s", spread=p["ops_s"]["spread"],
+                           peer_spread=p["copy_ops_s"]["spread"]))
+        for q in ("p50", "p99"):
+            figs.append(figure(f"{n} processes, {q} latency", p[f"{q}_us"]["median"], p[f"copy_{q}_us"]["median"],
+                               "plain 128 KiB copies, same processes", unit="us", spread=p[f"{q}_us"]["spread"],
+                               peer_spread=p[f"copy_{q}_us"]["spread"], better="lower"))
+        figs.append(figure(f"{n} processes, lock wait per op", p["lock_wait_us_per_op"]["median"], unit="us",
+                           spread=p["lock_wait_us_per_op"]["spread"], better="lower",
+                           share_of_time=p["lock_wait_share"]["median"]))
+    sc, nc = r["scales"], r["no_collapse"]
+    if sc:
+        figs.append(figure(f"speedup at {sc['at_processes']} processes (largest count <= cores) over 1", sc["speedup"],
+                           sc["copy_speedup"], "copy limit speedup", goal=f">= {sc['goal']:.2g}", met=sc["met"]))
+    if nc:
+        figs.append(figure(f"ops/s at {nc['at_processes']} processes / peak", nc["of_peak"], nc["copy_of_peak"],
+                           "copy limit, same", goal=">= 0.8", met=nc["met"]))
+    return {"scenario": "scaling", **r, "figures": figs}

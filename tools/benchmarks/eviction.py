@@ -30,6 +30,10 @@ from collections import OrderedDict
 
 import numpy as np
 
+from maru_shm import format_size
+
+from .registry import figure, progress_of, scenario
+
 ALPHA = 0.9
 SIZE_LO, SIZE_HI = 50 << 10, 512 << 10
 GOAL_PP = 2.0  # percentage points below exact LRU with the file's data bytes
@@ -315,3 +319,20 @@ def eviction(pool_sizes, n_keys: int = 12_000, n_requests: int = 100_000, alpha:
     return {"alpha": alpha, "keys": n_keys, "requests": n_requests, "measured_requests": n_requests - warm,
             "seed": seed, "size_range": [SIZE_LO, SIZE_HI], "working_set_bytes": working_set, "points": points,
             "goal_pp": GOAL_PP, "met": all(p["met"] for p in points)}
+
+
+NAME = "eviction"
+
+
+@scenario(NAME)
+def bench_eviction(args) -> dict:
+    r = eviction(args.eviction_pools, n_keys=args.eviction_keys, n_requests=args.eviction_requests,
+                 progress=progress_of(args))
+    figs = []
+    for p in r["points"]:
+        tag = f"hit ratio, {format_size(p['pool_bytes'])} pool ({p['cache_fraction'] * 100:.1f} % of the key set)"
+        figs.append(figure(tag, p["ours"], p["lru_file_bytes"], "exact LRU, capacity = data area bytes",
+                           goal=f"within {p['goal_pp']} pp", met=p["met"], diff_pp=-p["gap_pp"]))
+        figs.append(figure(tag, p["ours"], p["lru_live_bytes"], "exact LRU, capacity = our live bytes",
+                           diff_pp=-p["gap_policy_pp"]))
+    return {"scenario": "eviction", **r, "figures": figs}

@@ -1,0 +1,142 @@
+"""The text report of a run: one table row per figure, then the scenarios that need more."""
+
+from __future__ import annotations
+
+from maru_shm import format_size
+
+
+def render(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        if r["scenario"] == "capacity":
+            lines.append(f"capacity  {format_size(r['value_bytes'])} pages in {format_size(r['pool_bytes'])}: "
+                         f"live/file {r['ours']:.4f} vs {r['peer_name']} {r['peer']:.4f} "
+                         f"(x{r['ours'] / r['peer']:.2f}); goal >= {r['goal']} {'met' if r['met'] else 'MISSED'}")
+        elif r["scenario"] == "mixed":
+            lines.append(f"mixed     50-512 KiB at 3x {format_size(r['pool_bytes'])}: live/file (min over churn) "
+                         f"{r['ours']:.4f} vs fixed 512 KiB slots {r['fixed_512k']:.4f}, power-of-two classes "
+                         f"{r['pow2_classes']:.4f}, Maru 1 MiB chunks {r['maru_1m']:.4f}; goal >= {r['goal']} "
+                         f"{'met' if r['met'] else 'MISSED'}")
+        elif r["scenario"] == "ops":
+            for row in r["rows"]:
+                lines.append(
+                    f"ops       {format_size(row['value_bytes'])}: put {row['put_ops']:,.0f}/s "
+                    f"[{row['put_spread'][0]:,.0f}-{row['put_spread'][1]:,.0f}], get {row['get_ops']:,.0f}/s "
+                    f"[{row['get_spread'][0]:,.0f}-{row['get_spread'][1]:,.0f}]; plain copy one way "
+                    f"{2 * row['copy_roundtrip_ops']:,.0f}/s; put/copy {row['put_ratio']:.3f}, "
+                    f"get/copy {row['get_ratio']:.3f}")
+        elif r["scenario"] == "datapath":
+            for row in r["rows"]:
+                for op in ("set", "get"):
+                    ours, lim, fil = row[op], row[f"limit_{op}"], row[f"file_{op}"]
+                    lines.append(
+                        f"datapath  {format_size(row['page_bytes'])} pages, batch_{op}_v1: {ours['gbps']:.2f} GB/s "
+                        f"{ours['pages_per_s']:,.0f} pages/s [{ours['spread_gbps'][0]:.2f}-{ours['spread_gbps'][1]:.2f}]; "
+                        f"copy limit {lim['gbps']:.2f} GB/s -> x{row[f'{op}_vs_limit']:.2f} (rotating "
+                        f"destination {row[f'cold_limit_{op}']['gbps']:.2f} GB/s -> x{row[f'{op}_vs_cold_limit']:.2f}, "
+                        f"per round x{_paired(row, f'{op}_vs_cold_limit')}); "
+                        f"HiCacheFile "
+                        f"{fil['pages_per_s']:,.0f} pages/s -> x{row[f'{op}_vs_file']:.1f}")
+                full = row["set_full"]
+                lines.append(
+                    f"datapath  {format_size(row['page_bytes'])} pages, batch_set_v1 into a full pool (each batch "
+                    f"evicts): {full['gbps']:.2f} GB/s [{full['spread_gbps'][0]:.2f}-{full['spread_gbps'][1]:.2f}]; "
+                    f"x{row['set_full_vs_limit']:.2f} of the copy limit (rotating x{row['set_full_vs_cold_limit']:.2f}, "
+                    f"per round x{_paired(row, 'set_full_vs_cold_limit')})")
+        elif r["scenario"] == "lookup":
+            for case in ("all_hits", "first_miss"):
+                lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "
+                             f"vs HiCacheFile {r[case + '_file'] * 1e6:.1f} us -> x{r[case + '_ratio']:.1f}")
+        elif r["scenario"] == "hybrid":
+            pb = sorted(r["page_bytes"].values())
+            lines.append(f"hybrid    {len(pb)} pools, pages {format_size(pb[0])}-{format_size(pb[-1])} "
+                         f"(x{r['size_spread']:.0f}) at 3x {format_size(r['pool_bytes'])}: live/file (min over churn) "
+                         f"{r['ours']:.4f} vs fixed {format_size(r['fixed_slot_bytes'])} slots {r['fixed_slots']:.4f}, "
+                         f"power-of-two classes {r['pow2_classes']:.4f}, Maru 1 MiB chunks {r['maru_1m']:.4f}; "
+                         f"goal >= {r['goal']} "
+                         f"{'met' if r['met'] else 'MISSED'}")
+            lines.append(f"hybrid    payload still usable as hits (whole restorable prefixes) / file: "
+                         f"{r['usable_final']:.4f} vs fixed slots {r['fixed_slots_usable']:.4f}, power-of-two classes "
+                         f"{r['pow2_classes_usable']:.4f} (FIFO)")
+        elif r["scenario"] == "eviction":
+            lines += render_eviction(r)
+        elif r["scenario"] == "scaling":
+            lines += render_scaling(r)
+    return "\n".join(lines)
+
+def _met(m) -> str:
+    return "n/a" if m is None else ("met" if m else "MISSED")
+
+def render_eviction(r: dict) -> list[str]:
+    lo, hi = r["size_range"]
+    lines = [f"eviction  Zipf({r['alpha']}) get-or-put, {r['keys']:,} keys of {format_size(lo)}-{format_size(hi)} "
+             f"({format_size(r['working_set_bytes'])} in all), {r['requests']:,} requests, hit ratio over the last "
+             f"{r['measured_requests']:,}"]
+    for p in r["points"]:
+        lines.append(
+            f"eviction  {format_size(p['pool_bytes'])} pool ({p['cache_fraction'] * 100:.1f} % of the key set): "
+            f"ours {p['ours']:.4f} vs exact LRU with the data area's bytes {p['lru_file_bytes']:.4f} "
+            f"(x{p['ratio']:.3f}, {-p['gap_pp']:+.1f} pp); goal within {p['goal_pp']:g} pp {_met(p['met'])}")
+        lines.append(
+            f"            same live bytes as ours ({p['live_over_data']:.3f} of the data area): exact LRU "
+            f"{p['lru_live_bytes']:.4f} ({-p['gap_policy_pp']:+.1f} pp, the policy), per-object CLOCK "
+            f"{p['clock_live_bytes']:.4f}, random {p['random_live_bytes']:.4f}; ours sits "
+            f"{p['policy_position'] * 100:.0f} % of the way from random to LRU")
+        sf = p["space_final"]
+        lines.append(
+            f"            space ({p['gap_space_pp']:.1f} pp): LRU charged our class blocks {p['lru_class_rounded']:.4f} "
+            f"({-p['gap_rounding_pp']:+.1f} pp); data area at the end: live {sf['live']:.3f}, class rounding "
+            f"{sf['rounding']:.3f}, free blocks in slabs {sf['free_in_slabs']:.3f}, free units {sf['free_units']:.3f}")
+        w = p.get("windows")
+        if w:
+            lines.append(
+                f"            slab CLOCK: {w['evictions']:,} windows of {format_size(w['mean_window_bytes'])} on "
+                f"average, {w['slabs_per_window']:.1f} slabs and {w['values_per_window']:.1f} values each; "
+                f"{w['referenced_share'] * 100:.0f} % of the slabs evicted had their CLOCK bit set, "
+                f"{w['values_hit_share'] * 100:.0f} % of the values evicted had been hit")
+    return lines
+
+def render_scaling(r: dict) -> list[str]:
+    lines = [f"scaling   {format_size(r['value_bytes'])} values, 50/50 get_into/put on {r['keys']} shared keys, "
+             f"{r['cores']} cores, {r['duration_s']:g} s per round, {r['repeat']} rounds (median [min-max])"]
+    base = r["points"][0]["ops_s"]["median"] if r["points"] else 0
+    cbase = r["points"][0]["copy_ops_s"]["median"] if r["points"] else 0
+    pbase = r["points"][0]["ops_per_cpu_s"]["median"] if r["points"] else 0
+    for p in r["points"]:
+        o, c = p["ops_s"], p["copy_ops_s"]
+        lines.append(
+            f"scaling   {p['processes']} proc: {o['median']:,.0f} ops/s [{o['spread'][0]:,.0f}-{o['spread'][1]:,.0f}] "
+            f"(x{o['median'] / base:.2f} of 1) vs copy limit {c['median']:,.0f} (x{c['median'] / cbase:.2f} of 1) "
+            f"-> x{p['ratio']:.3f}; p50 {p['p50_us']['median']:,.0f} us p99 {p['p99_us']['median']:,.0f} us "
+            f"(copy {p['copy_p50_us']['median']:,.0f}/{p['copy_p99_us']['median']:,.0f}); get p99 "
+            f"{p['get_p99_us']['median']:,.0f}, put p99 {p['put_p99_us']['median']:,.0f} us")
+        lines.append(
+            f"            locks {p['lock_us_per_op']['median']:.1f} us/op ({p['lock_share']['median'] * 100:.0f} % "
+            f"of the time), of which waiting {p['lock_wait_us_per_op']['median']:.1f} us/op "
+            f"({p['lock_wait_share']['median'] * 100:.0f} %); {p['acquires_waited']['median'] * 100:.1f} % of "
+            f"acquisitions found the lock taken")
+        lines.append(
+            f"            CPU: cores busy {p['cores_busy']['median']:.2f} (copy rounds "
+            f"{p['copy_cores_busy']['median']:.2f}); {p['ops_per_cpu_s']['median']:,.0f} ops per CPU-second "
+            f"(x{p['ops_per_cpu_s']['median'] / pbase:.2f} of 1 process)")
+    sc, nc = r.get("scales"), r.get("no_collapse")
+    if sc:
+        cs = f" (copy limit x{sc['copy_speedup']:.2f})" if sc.get("copy_speedup") else ""
+        if sc.get("cpu_speedup"):
+            cs += f"; CPU the machine gave (copy rounds' CPU time) x{sc['cpu_speedup']:.2f}"
+            if sc.get("speedup_of_cpu_gain") is not None:
+                cs += f", ours used {sc['speedup_of_cpu_gain'] * 100:.0f} % of that gain"
+        lines.append(f"scaling   scales to the core count: x{sc['speedup']:.2f} at {sc['at_processes']} processes "
+                     f"over 1{cs}; goal >= x{sc['goal']:.2g} {_met(sc['met'])}")
+    else:
+        lines.append("scaling   scales to the core count: n/a (one core or no 1-process point)")
+    if nc:
+        cc = f" (copy limit {nc['copy_of_peak']:.2f})" if nc.get("copy_of_peak") is not None else ""
+        lines.append(f"scaling   does not collapse: {nc['at_processes']} processes at {nc['of_peak']:.2f} of the peak"
+                     f"{cc}; goal >= {nc['goal']} {_met(nc['met'])}")
+    return lines
+
+def _paired(row: dict, name: str) -> str:
+    """Median [min-max] of the per-round ratios (ours and the peer timed back to back in each round)."""
+    p = row.get(f"{name}_paired")
+    return "n/a" if p is None else f"{p['median']:.2f} [{p['spread'][0]:.2f}-{p['spread'][1]:.2f}]"

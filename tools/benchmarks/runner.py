@@ -1,0 +1,126 @@
+"""`maru-shm bench`: every figure next to the figure it competes with, measured in the same run.
+
+Scenarios (all by default; pick with --only):
+  capacity  Llama-3.1-8B pages (131072 B) filling a pool: share of the file
+            holding live payload, vs Maru's fixed 1 MiB chunks (computed).
+  mixed     uniform 50-512 KiB payloads written at 3x the pool size: live
+            payload / file at the end, vs fixed 512 KiB slots and power-of-two
+            classes simulated on the same sequence.
+  ops       put/get operations per second for 4 KiB and 128 KiB values vs a
+            plain memmove of the same bytes into a /dev/shm mapping.
+  hybrid    DeepSeek-V4-like requests (compressed KV at ratios 1/2/4/128, c4
+            indexer, SWA window, KV markers) through MaruStorage's v2 API at 3x
+            the pool size: live payload / file, vs fixed slots of the largest
+            page and power-of-two classes simulated on the same sequence.
+  eviction  a seeded Zipf(0.9) get-or-put trace over keys of 50-512 KiB at
+            three pool sizes: hit ratio vs exact LRU given the pool's data
+            bytes (and given the live bytes the store held), same trace.
+  scaling   1, 2, 4, 8 processes on one pool, 50/50 get/put of 128 KiB
+            values: aggregate ops/s, p50/p99 latency, lock time, vs the same
+            processes doing plain 128 KiB copies into/out of a shared mapping.
+The machine is shared and noisy: timed figures are the median of --repeat
+runs, with the spread (min-max) printed next to them. While it runs, a
+progress line goes to stderr when stderr is a terminal (never with --json).
+`--json` prints one object; every result carries `figures`: rows of ours,
+spread, peer, ratio, goal and met. `--charts DIR` writes PNG charts
+(tools/charts.py) from the same results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, scaling
+from .registry import SCENARIOS, Progress
+from .report import render
+
+# Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
+SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, scaling)
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="maru-shm bench", description=__doc__.splitlines()[0])
+    p.add_argument("--only", action="append", choices=sorted(SCENARIOS), help="run only this scenario (repeatable)")
+    p.add_argument("--pool-size", default="1G", help="pool size for capacity/mixed (default 1G)")
+    p.add_argument("--repeat", type=int, default=5, help="repetitions of timed figures (median reported)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--charts", metavar="DIR", help="also write PNG charts of the results into DIR (matplotlib)")
+    p.add_argument("--charts-note", default="", help="text for every chart's footer (e.g. provisional)")
+    g = p.add_argument_group("eviction")
+    g.add_argument("--eviction-pools", default="256M,512M,1G", type=_size_list,
+                   help="pool sizes, comma separated (default 256M,512M,1G)")
+    g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
+    g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
+    g = p.add_argument_group("scaling")
+    g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
+    g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
+    return p
+
+def _size_list(text: str) -> list[int]:
+    from maru_shm import parse_size
+    try:
+        return [parse_size(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+def _int_list(text: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not xs or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"process counts must be >= 1: {text!r}")
+    return sorted(set(xs))
+
+def main(args=None) -> int:
+    if args is None or isinstance(args, list):
+        args = build_parser().parse_args(args)
+    from maru_shm import parse_size
+    args.pool_size = parse_size(args.pool_size)
+    names = list(dict.fromkeys(args.only or [m.NAME for m in SCENARIO_MODULES]))
+    progress = Progress(names, enabled=not args.json and _is_tty(sys.stderr))
+    args.progress = progress
+    results = []
+    try:
+        for i, name in enumerate(names):
+            progress.start(i)
+            results.append(SCENARIOS[name](args))
+    finally:
+        progress.done()
+    doc = {"machine": machine(), "results": results}
+    if args.json:
+        print(json.dumps(doc, indent=2, default=float))
+    else:
+        print(render(results))
+    if args.charts:
+        from .charts import render_charts
+        for path in render_charts(doc, args.charts, args.charts_note):
+            print(f"chart: {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+def machine() -> dict:
+    import platform
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {"cpus": os.cpu_count(), "cores": cores, "loadavg_at_end": load, "python": platform.python_version(),
+            "platform": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
