@@ -20,7 +20,6 @@ same pool file and moves pages directly between its host pool and the file.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any, List, Optional
@@ -33,17 +32,15 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from maru_shm import SizeMismatchError, Store, StoreError, format_size
 
-from . import hybrid
-from maru_shm import prefixed_digest, prefixed_digests
+from .hybrid import HybridPools
 
 from .config import MaruConfig
-from .namespace import kv_format_fingerprint, namespace_for
+from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
 
 logger = logging.getLogger("maru_sglang")
 
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first", "page_head", "layer_first", "page_first_kv_split")
-NONCE_BYTES = 16
 
 
 class MaruStorage(HiCacheStorage):
@@ -57,19 +54,16 @@ class MaruStorage(HiCacheStorage):
         self.mem_pool_host = None
         self.page_bytes: int | None = None
         self.pieces_per_page = 0
-        self._ns_base: str | None = None
-        self._ns_cache: tuple[float, str] | None = None
-        self._nonce: bytes | None = None  # the namespace nonce last read (restored if its record is evicted)
         self._logged: set = set()
         self._lock = threading.Lock()
+        self.keyspace = KeySpace(self.store, self.log_once)  # whose pages these are, and the clear() nonce
+        self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
                        "set_failed": 0}
         self._prefetch_pgs: list[int] = []
         self._backup_pgs: list[int] = []
         self._prefetch_bw: list[float] = []
         self._backup_bw: list[float] = []
-        self._v2_pools: dict[str, hybrid.PoolSpec] = {}  # extra host pools of hybrid models (v2 API)
-        self._v2_stats: dict[str, dict] = {}
 
     # ------------------------------------------------------------ setup
     def _open_store(self) -> Store:
@@ -98,7 +92,7 @@ class MaruStorage(HiCacheStorage):
         page_size = int(getattr(mem_pool_host, "page_size", 1))
         if getattr(mem_pool_host, "kv_buffer", True) is None:
             # a logical anchor (DeepSeek-V4): KV pages are empty markers, the data comes through the v2 pools
-            hybrid.register_logical_anchor(self, mem_pool_host)
+            self._register_logical_anchor(mem_pool_host)
             return
         try:
             # one logical page: with DCP, SGLang's indices and get_page_buffer_meta count the widened page
@@ -135,56 +129,37 @@ class MaruStorage(HiCacheStorage):
         self.pieces_per_page = len(ptrs)
         # v1 stores the pieces in get_page_buffer_meta order, legacy the flat get_data_page tensor; for
         # layer_first MHA these orders differ (K0 V0 K1 V1.. vs K0 K1.. V0 V1..), so they get separate keys.
-        extra = (self.storage_config.extra_config or {}) if self.storage_config else {}
-        io = "pieces" if bool(extra.get("interface_v1", 0)) else "flat"
+        io = "pieces" if self.uses_pieces else "flat"
         fp = kv_format_fingerprint(mem_pool_host, page_bytes, len(ptrs), io=io)
-        self._ns_base = f"{namespace_for(self.storage_config)}|fmt-{fp}"
-        self._ns_cache = None
+        self.keyspace.set_base(f"{namespace_for(self.storage_config)}|fmt-{fp}")
         logger.info("maru: page size %s (%d pieces per page, layout %s), namespace %s",
-                    format_size(page_bytes), len(ptrs), layout, self._ns_base)
+                    format_size(page_bytes), len(ptrs), layout, self.keyspace.base)
 
-    # ------------------------------------------------------------ namespace
-    def _namespace(self) -> str:
-        """Namespace prefix incl. the current clear() nonce (re-read at most every 50 ms)."""
-        if self._ns_base is None:
-            raise RuntimeError("MaruStorage used before register_mem_pool_host()")
-        now = time.monotonic()
-        cached = self._ns_cache
-        if cached is not None and now - cached[0] < 0.05:
-            return cached[1]
-        rec = f"__maru_ns__/{self._ns_base}"
-        nonce = self.store.get(rec)
-        if nonce is None or len(nonce) != NONCE_BYTES:
-            # Never written, or evicted (it is an ordinary small value and a full pool evicts). Restore
-            # the nonce this process last saw rather than drawing a new one: an eviction of this record
-            # must not hide every page of the namespace. Only clear() changes the nonce. The first
-            # writer wins (skip_existing), so processes that disagree converge on one record.
-            known = self._nonce if self._nonce is not None else os.urandom(NONCE_BYTES)
-            self.store.batch_put([rec], [known], skip_existing=True)
-            self._pin(rec)
-            nonce = self.store.get(rec) or known
-        self._nonce = nonce
-        prefix = f"{self._ns_base}|{nonce.hex()}/"
-        self._ns_cache = (now, prefix)
-        return prefix
+    def _register_logical_anchor(self, mem_pool_host) -> None:
+        """KV anchor without a KV tensor of its own (DeepSeek-V4's LogicalHostPool): KV pages are empty values.
 
-    def _pin(self, rec: str) -> None:
-        """Keep the namespace record out of eviction: evicted, it would hide every page of the namespace
-        from a process that never saw its nonce."""
-        try:
-            self.store.pin(rec)
-        except StoreError as e:
-            self._log_once("pinning the namespace record", e)
+        SGLang still writes and looks up one object per KV page (HiCacheFile writes an empty file per page
+        via get_data_page, which is empty here); the page data lives in the side pools registered through v2.
+        """
+        self.page_bytes = 0
+        self.pieces_per_page = 0
+        fp = kv_format_fingerprint(mem_pool_host, 0, 0, io="pieces" if self.uses_pieces else "flat")
+        self.keyspace.set_base(f"{namespace_for(self.storage_config)}|fmt-{fp}")
+        logger.info("maru: logical KV anchor %s (page of %d tokens, no KV bytes); namespace %s",
+                    type(mem_pool_host).__name__, int(getattr(mem_pool_host, "page_size", 1)), self.keyspace.base)
 
-    def _keys(self, keys: List[str]) -> List[str]:
-        ns = self._namespace()
-        return [ns + k for k in keys]
+    @property
+    def uses_pieces(self) -> bool:
+        """interface_v1: SGLang moves pages as get_page_buffer_meta pieces (else as flat page tensors)."""
+        extra = (self.storage_config.extra_config or {}) if self.storage_config else {}
+        return bool(extra.get("interface_v1", 0))
 
+    # ------------------------------------------------------------ helpers
     def _digests(self, keys: List[str]):
-        """Store digests of this namespace's keys, (n, 16) uint8: the fast path for SGLang's SHA-256 page hashes."""
-        return prefixed_digests(self._namespace(), keys)
+        return self.keyspace.digests(keys)
 
-    def _log_once(self, what: str, exc: BaseException) -> None:
+    def log_once(self, what: str, exc: BaseException) -> None:
+        """Log a failure once per cause: the storage threads call us in a loop, and never see us raise."""
         cause = (what, type(exc).__name__, str(exc)[:200])
         with self._lock:
             if cause in self._logged:
@@ -203,14 +178,13 @@ class MaruStorage(HiCacheStorage):
             if not keys:
                 return 0
             # a prefix query usually misses at once, or hits throughout: probe the first key alone first
-            ns = self._namespace()
-            if self.store.length_of(digest=prefixed_digest(ns, keys[0])) != self.page_bytes:
+            if self.store.length_of(digest=self.keyspace.digest(keys[0])) != self.page_bytes:
                 return 0
             if len(keys) == 1:
                 return 1
-            return self.store.leading_hits(length=self.page_bytes, digests=prefixed_digests(ns, keys))
+            return self.store.leading_hits(length=self.page_bytes, digests=self.keyspace.digests(keys))
         except Exception as e:
-            self._log_once("batch_exists", e)
+            self.log_once("batch_exists", e)
             return 0
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -225,7 +199,7 @@ class MaruStorage(HiCacheStorage):
             self._account(res, t0, read=True)
             return res
         except Exception as e:
-            self._log_once("batch_get_v1", e)
+            self.log_once("batch_get_v1", e)
             return [False] * len(keys)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -242,32 +216,31 @@ class MaruStorage(HiCacheStorage):
             self._account(res, t0, read=False, written=written)
             return res
         except Exception as e:
-            self._log_once("batch_set_v1", e)
+            self.log_once("batch_set_v1", e)
             return [False] * len(keys)
 
     # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """One extra pool (Mamba, SWA, indexer, DeepSeek-V4 compressed KV...): own page size, class and keys."""
-        spec = hybrid.describe_pool(self, host_pool, host_pool_name)  # raises for a pool it cannot serve
+        spec = self.hybrid.describe(host_pool, host_pool_name)  # raises for a pool it cannot serve
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if not spec.is_kv:
-            self._v2_pools[spec.name] = spec
+        self.hybrid.register(spec)
 
     def on_host_pools_registered(self) -> None:
         logger.info("maru: host pools registered: kv %s; v2 pools: %s", format_size(self.page_bytes or 0),
-                    hybrid.summary(self))
+                    self.hybrid.summary())
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        return hybrid.batch_exists_v2(self, keys, pool_transfers, extra_info)
+        return self.hybrid.batch_exists_v2(keys, pool_transfers)
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return hybrid.batch_get_v2(self, transfers, extra_info)
+        return self.hybrid.batch_io_v2(transfers, write=False)
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return hybrid.batch_set_v2(self, transfers, extra_info)
+        return self.hybrid.batch_io_v2(transfers, write=True)
 
     def _account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
         ok = sum(res)
@@ -315,7 +288,7 @@ class MaruStorage(HiCacheStorage):
             self._account(res, t0, read=True)
             return [t if ok else None for t, ok in zip(target_locations, res)]
         except Exception as e:
-            self._log_once("batch_get", e)
+            self.log_once("batch_get", e)
             return [None] * len(keys)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
@@ -341,27 +314,23 @@ class MaruStorage(HiCacheStorage):
             self._account(res, t0, read=False, written=written)
             return all(res)
         except Exception as e:
-            self._log_once("batch_set", e)
+            self.log_once("batch_set", e)
             return False
 
     def exists(self, key: str) -> bool:
         try:
             return self.store.batch_exists(digests=self._digests([key]))[0]
         except Exception as e:
-            self._log_once("exists", e)
+            self.log_once("exists", e)
             return False
 
     # ------------------------------------------------------------ housekeeping
     def clear(self) -> None:
         """Retire this instance's namespace: its pages become unreachable at once, eviction reclaims them."""
-        if self._ns_base is None:
+        if self.keyspace.base is None:
             return
-        self._nonce = os.urandom(NONCE_BYTES)
-        rec = f"__maru_ns__/{self._ns_base}"
-        self.store.put(rec, self._nonce)
-        self._pin(rec)
-        self._ns_cache = None
-        logger.info("maru: cleared namespace %s", self._ns_base)
+        self.keyspace.clear()
+        logger.info("maru: cleared namespace %s", self.keyspace.base)
 
     def close(self) -> None:
         """Detach from the pool (the pool and other instances' pages stay)."""
@@ -392,10 +361,10 @@ class MaruStorage(HiCacheStorage):
         try:  # called from the scheduler loop: never raise into it
             pool = self.store.stats() if self.store is not None else {}
         except Exception as e:
-            self._log_once("get_stats", e)
+            self.log_once("get_stats", e)
             pool = {}
         mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
                      "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes,
-                     "pools": hybrid.pool_stats(self)})
+                     "pools": self.hybrid.stats()})
         m.maru = mine
         return m

@@ -1,4 +1,4 @@
-"""Who may read whose pages: key namespaces per model, rank and KV format.
+"""Who may read whose pages: key namespaces per model, rank and KV format, and the clear() nonce.
 
 MHA pages are sharded by TP rank, so their keys carry model, TP rank/size,
 PP rank/size, attention-CP rank/size. MLA pages are replicated over TP
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
+
+from maru_shm import StoreError, prefixed_digest, prefixed_digests
 
 _FORMAT_ATTRS = (
     "layout", "layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
@@ -48,3 +52,74 @@ def namespace_for(storage_config, *, pool_name: str = "kv", tp_sharded: bool | N
         parts.append(f"tp{c.tp_size}dcp{c.dcp_rank}of{c.dcp_size}page{c.logical_page_size}")
     parts.append(pool_name)
     return "|".join(parts)
+
+
+NONCE_BYTES = 16
+NONCE_REFRESH_S = 0.05  # a process re-reads the clear() nonce at most this often
+
+
+class KeySpace:
+    """The namespace one MaruStorage reads and writes pages in, and the clear() nonce that retires it.
+
+    `base` (topology and KV format, fixed when the host pool is registered) plus the nonce stored in the
+    pool under `record` make the prefix of every page key. clear() draws a new nonce: every page of the
+    old one becomes unreachable at once, and eviction reclaims it. The record is pinned (Store.pin): if a
+    full pool evicted it, a process that never saw the nonce could not find any page of the namespace.
+    """
+
+    def __init__(self, store, log_once):
+        self.store = store
+        self._log_once = log_once
+        self.base: str | None = None
+        self._cache: tuple[float, str] | None = None
+        self._nonce: bytes | None = None  # the nonce last read (restored if its record is evicted)
+
+    def set_base(self, base: str) -> None:
+        self.base = base
+        self._cache = None
+
+    @property
+    def record(self) -> str:
+        return f"__maru_ns__/{self.base}"
+
+    def prefix(self) -> str:
+        """Namespace prefix incl. the current clear() nonce (re-read at most every NONCE_REFRESH_S)."""
+        if self.base is None:
+            raise RuntimeError("MaruStorage used before register_mem_pool_host()")
+        now = time.monotonic()
+        cached = self._cache
+        if cached is not None and now - cached[0] < NONCE_REFRESH_S:
+            return cached[1]
+        nonce = self.store.get(self.record)
+        if nonce is None or len(nonce) != NONCE_BYTES:
+            # Never written, or lost. Restore the nonce this process last saw rather than drawing a new one:
+            # losing this record must not hide every page of the namespace. Only clear() changes the nonce.
+            # The first writer wins (skip_existing), so processes that disagree converge on one record.
+            known = self._nonce if self._nonce is not None else os.urandom(NONCE_BYTES)
+            self.store.batch_put([self.record], [known], skip_existing=True)
+            self._pin()
+            nonce = self.store.get(self.record) or known
+        self._nonce = nonce
+        prefix = f"{self.base}|{nonce.hex()}/"
+        self._cache = (now, prefix)
+        return prefix
+
+    def digests(self, keys):
+        """Store digests of this namespace's keys, (n, 16) uint8: the fast path for SGLang's SHA-256 page hashes."""
+        return prefixed_digests(self.prefix(), keys)
+
+    def digest(self, key: str) -> bytes:
+        return prefixed_digest(self.prefix(), key)
+
+    def clear(self) -> None:
+        """Retire the namespace: a new nonce, written and pinned."""
+        self._nonce = os.urandom(NONCE_BYTES)
+        self.store.put(self.record, self._nonce)
+        self._pin()
+        self._cache = None
+
+    def _pin(self) -> None:
+        try:
+            self.store.pin(self.record)
+        except StoreError as e:
+            self._log_once("pinning the namespace record", e)

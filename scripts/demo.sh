@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/python -W ignore -m maru_sglang.demo "$@"
+exec .venv/bin/python -W ignore -m tools.demo "$@"

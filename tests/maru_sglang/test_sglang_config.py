@@ -135,7 +135,7 @@ def test_evicted_namespace_record_does_not_hide_the_pages(make_instance, pool_pa
     keys = prompt_keys(4, "evicted-record")
     assert llama.batch_set_v1(keys, page_indices(host, 0, 4)) == [True] * 4
     assert llama_twin.batch_exists(keys) == 4
-    assert llama.store.delete(f"__maru_ns__/{llama._ns_base}")  # as an eviction would
+    assert llama.store.delete(f"__maru_ns__/{llama.keyspace.base}")  # as an eviction would
     time.sleep(0.06)  # past the 50 ms namespace cache
     assert llama_twin.batch_exists(keys) == 4
     assert llama.batch_exists(keys) == 4

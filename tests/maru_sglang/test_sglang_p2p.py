@@ -81,9 +81,9 @@ def test_two_processes_share_pages_and_strangers_see_none(make_instance, pool_pa
 
 
 def test_readme_demo_main_job():
-    """The README's main job: `python -m maru_sglang.demo` exits 0 and reports P2P sharing OK."""
+    """The README's main job: `python -m tools.demo` (what scripts/demo.sh runs) exits 0 and reports P2P sharing OK."""
     pool = hh.shm_path("demo")
-    proc = subprocess.Popen([sys.executable, "-m", "maru_sglang.demo", "--pages", "256", "--pool", pool],
+    proc = subprocess.Popen([sys.executable, "-m", "tools.demo", "--pages", "256", "--pool", pool],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

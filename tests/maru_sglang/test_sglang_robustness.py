@@ -164,7 +164,7 @@ def test_the_namespace_record_is_pinned_and_survives_a_pool_full_of_pages(make_i
     host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16, size="64M")
     hh.fill_random(host, seed=5)
     backend.batch_exists(prompt_keys(1, "warm"))  # reads (and if needed writes) the record
-    rec = f"__maru_ns__/{backend._ns_base}"
+    rec = f"__maru_ns__/{backend.keyspace.base}"
     store = backend.store
     off = store.index.find(key_digest(rec))[1]
     assert store.mm[store.alloc.meta_off(off) + 31] & 1  # FLAG_PINNED

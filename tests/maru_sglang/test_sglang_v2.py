@@ -163,7 +163,7 @@ class Twin:
 
     def evict(self, name, key):
         """Remove one page of one pool from both backends; both must have held it or neither."""
-        d = hybrid.store_digests(self.maru, PoolName(name), [key])[0]
+        d = self.maru.hybrid.store_digests(PoolName(name), [key])[0]
         had_m = hh.delete_digest(self.maru.store, d.tobytes())
         path = os.path.join(self.file.file_path, self.file._get_component_key(key, PoolName(name)) + ".bin")
         had_f = os.path.exists(path)
@@ -201,7 +201,7 @@ def _exact_class_in_file(path: str, nbytes: int) -> bool:
 def test_every_pool_page_size_comes_from_its_host_pool(twin, pool_path, scenario):
     t = twin(scenario)
     for name, host in t.pools.items():
-        spec = t.maru._v2_pools[name]
+        spec = t.maru.hybrid.pools[name]
         ptrs, sizes = host.get_page_buffer_meta(slot_indices(host, 0, 1))
         assert spec.page_bytes == sum(sizes) and spec.pieces_per_page == len(ptrs), name
         assert spec.page_size == host.page_size
@@ -211,9 +211,9 @@ def test_every_pool_page_size_comes_from_its_host_pool(twin, pool_path, scenario
         c4, c128 = t.pools["deepseek_v4_c4"], t.pools["deepseek_v4_c128"]
         # SGLang's V4 pools report the bytes of one page row per layer as "size per token": the page size
         # must come from the pieces, not from get_size_per_token() * page_size
-        assert c4.get_size_per_token() * c4.page_size != t.maru._v2_pools["deepseek_v4_c4"].page_bytes
+        assert c4.get_size_per_token() * c4.page_size != t.maru.hybrid.pools["deepseek_v4_c4"].page_bytes
         assert t.maru.page_bytes == 0  # logical anchor: a KV page is an empty value, as HiCacheFile's empty file
-        sizes = sorted(s.page_bytes for s in t.maru._v2_pools.values())
+        sizes = sorted(s.page_bytes for s in t.maru.hybrid.pools.values())
         assert sizes[-1] / sizes[0] >= 20  # several size classes in one request
         assert c128.page_size == c4.page_size == t.anchor.page_size  # KV-derived: FULL logical indices
 
@@ -225,10 +225,10 @@ def test_pool_that_cannot_address_its_pages_is_refused_at_registration(make_inst
         backend.register_mem_host_pool_v2(side, PoolName.MAMBA)
     with pytest.raises(ValueError, match=r"pool 'swa' \(LogicalHostPool.*holds no page buffers"):
         backend.register_mem_host_pool_v2(hh.make_logical_anchor(4, 4), PoolName.SWA)
-    assert backend._v2_pools == {}
+    assert backend.hybrid.pools == {}
     ok = hh.make_mamba_host(4)
     backend.register_mem_host_pool_v2(ok, PoolName.MAMBA)
-    assert backend._v2_pools["mamba"].page_bytes == ok.get_size_per_token()
+    assert backend.hybrid.pools["mamba"].page_bytes == ok.get_size_per_token()
 
 
 # --------------------------------------------------------------------------- 2. keys and namespaces
@@ -247,7 +247,7 @@ def test_pools_sharing_page_hashes_never_collide(twin):
     mamba = t.pools["mamba"]
     assert got == [True, False, True]
     assert [data[0], data[2]] == hh.pool_page_bytes(mamba, torch.tensor([5, 6]), 2)
-    digests = [d.tobytes() for n in ("kv", *t.pools) for d in hybrid.store_digests(t.maru, PoolName(n), keys)]
+    digests = [d.tobytes() for n in ("kv", *t.pools) for d in t.maru.hybrid.store_digests(PoolName(n), keys)]
     assert len(set(digests)) == 3 * 4
 
 
@@ -442,8 +442,8 @@ def test_evicted_kv_page_ends_the_prefix_and_orphans_never_count(twin):
     assert t.exists_v2(keys, t.query(["mamba", "draft"])) == (4, {"kv": 5, "mamba": 4, "draft": 5}, [4])
     # swa's only window [5, 8) lies beyond the KV prefix: no prefix is restorable, and no later pool is asked
     assert t.exists_v2(keys, t.query(["swa", "mamba"])) == (0, {"kv": 5}, [])
-    assert hh.digests_present(t.maru.store, hybrid.store_digests(t.maru, PoolName.MAMBA, [keys[7]]))[0]  # orphans
-    assert hh.digests_present(t.maru.store, hybrid.store_digests(t.maru, PoolName.SWA, [keys[6]]))[0]
+    assert hh.digests_present(t.maru.store, t.maru.hybrid.store_digests(PoolName.MAMBA, [keys[7]]))[0]  # orphans
+    assert hh.digests_present(t.maru.store, t.maru.hybrid.store_digests(PoolName.SWA, [keys[6]]))[0]
     t.evict("draft", keys[2])  # an evicted pool page cuts that pool's prefix
     assert t.exists_v2(keys, t.query(["mamba", "draft"])) == (0, {"kv": 5, "mamba": 4, "draft": 2}, [])
     t.set_v2([("draft", keys[2:3], 2), ("mamba", keys[1:2], 1)])
@@ -488,7 +488,7 @@ def test_real_store_eviction_keeps_hicache_file_semantics(pool_path, tmp_path):
         f = hh.create_hybrid_file(str(tmp_path / "f"), anchor, pools, mla=False)
         orphans = cut_prefixes = hits = 0
         for c in chains:
-            have = {n: hh.digests_present(maru.store, hybrid.store_digests(maru, PoolName(n), c))
+            have = {n: hh.digests_present(maru.store, maru.hybrid.store_digests(PoolName(n), c))
                     for n in ("kv", "draft", "mamba", "swa")}
             kv_prefix = have["kv"].index(False) if False in have["kv"] else P
             cut_prefixes += 0 < kv_prefix < P or (kv_prefix == 0 and any(have["kv"]))
@@ -535,7 +535,7 @@ def test_block_groups_follows_its_docstring_and_never_gates_the_kv_hit(twin, blo
     rnd = random.Random(block * 10 + group)
     for trial in range(6):
         present = [rnd.random() < 0.8 for _ in gkeys] if trial else [True] * len(gkeys)
-        for d in hybrid.store_digests(t.maru, PoolName.DEEPSEEK_V4_C128, gkeys):
+        for d in t.maru.hybrid.store_digests(PoolName.DEEPSEEK_V4_C128, gkeys):
             hh.delete_digest(t.maru.store, d.tobytes())
         for i, k in enumerate(gkeys):
             if present[i]:

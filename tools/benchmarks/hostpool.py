@@ -173,43 +173,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
                          "memmove_get", "cold_limit_set", "cold_limit_get", "file_set", "file_get")}
     try:
         for rep in range(repeat + 1):  # first round warms up, not counted
-            keys = _page_keys(f"{page_size}-{rep}", BATCH)
-            rows = []
-            t0 = time.perf_counter()
-            ok = maru.batch_set_v1(keys, src)
-            rows.append(("set", time.perf_counter() - t0))
-            assert all(ok), "batch_set_v1 failed"
-            t0 = time.perf_counter()
-            ok = maru.batch_get_v1(keys, dst)
-            rows.append(("get", time.perf_counter() - t0))
-            assert all(ok), "batch_get_v1 failed"
-            t0 = time.perf_counter()
-            ok = full.batch_set_v1(_page_keys(f"{page_size}-{rep}-full", BATCH), src)
-            rows.append(("set_full", time.perf_counter() - t0))
-            assert all(ok), "batch_set_v1 into the full pool failed"
-            for way in ("torch", "memmove"):
-                t0 = time.perf_counter()
-                getattr(limit, f"store_{way}")(src)
-                rows.append((f"{way}_set", time.perf_counter() - t0))
-                t0 = time.perf_counter()
-                getattr(limit, f"load_{way}")(dst)
-                rows.append((f"{way}_get", time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            cold.store_memmove(src)
-            rows.append(("cold_limit_set", time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            cold.load_memmove(dst)
-            rows.append(("cold_limit_get", time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
-            assert hfile.batch_set(keys, data)
-            rows.append(("file_set", time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            dummy = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
-            got = hfile.batch_get(keys, dummy)
-            for i in range(BATCH):
-                host.set_from_flat_data_page(int(dst[i * page_size]), got[i])
-            rows.append(("file_get", time.perf_counter() - t0))
+            rows = _timed_round(maru, full, hfile, limit, cold, host, src, dst, page_size, rep)
             if rep:
                 for name, dt in rows:
                     t[name].append(dt)
@@ -224,6 +188,53 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
         for path in (pool, full_path):
             if os.path.exists(path):
                 os.unlink(path)
+    return _summary(t, page_size, page_bytes)
+
+
+def _timed_round(maru, full, hfile, limit, cold, host, src, dst, page_size: int, rep: int) -> list:
+    """One round: ours (set, get, set into the full pool), the copy limits and HiCacheFile, back to back."""
+    keys = _page_keys(f"{page_size}-{rep}", BATCH)
+    rows = []
+    t0 = time.perf_counter()
+    ok = maru.batch_set_v1(keys, src)
+    rows.append(("set", time.perf_counter() - t0))
+    assert all(ok), "batch_set_v1 failed"
+    t0 = time.perf_counter()
+    ok = maru.batch_get_v1(keys, dst)
+    rows.append(("get", time.perf_counter() - t0))
+    assert all(ok), "batch_get_v1 failed"
+    t0 = time.perf_counter()
+    ok = full.batch_set_v1(_page_keys(f"{page_size}-{rep}-full", BATCH), src)
+    rows.append(("set_full", time.perf_counter() - t0))
+    assert all(ok), "batch_set_v1 into the full pool failed"
+    for way in ("torch", "memmove"):
+        t0 = time.perf_counter()
+        getattr(limit, f"store_{way}")(src)
+        rows.append((f"{way}_set", time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        getattr(limit, f"load_{way}")(dst)
+        rows.append((f"{way}_get", time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    cold.store_memmove(src)
+    rows.append(("cold_limit_set", time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    cold.load_memmove(dst)
+    rows.append(("cold_limit_get", time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
+    assert hfile.batch_set(keys, data)
+    rows.append(("file_set", time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    dummy = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
+    got = hfile.batch_get(keys, dummy)
+    for i in range(BATCH):
+        host.set_from_flat_data_page(int(dst[i * page_size]), got[i])
+    rows.append(("file_get", time.perf_counter() - t0))
+    return rows
+
+
+def _summary(t: dict, page_size: int, page_bytes: int) -> dict:
+    """Medians, spreads and the ratios the report prints, from the per-round times `t`."""
     nbytes = BATCH * page_bytes
     out = {"page_size": page_size, "page_bytes": page_bytes, "batch": BATCH}
     for name, xs in t.items():

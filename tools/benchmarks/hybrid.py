@@ -117,7 +117,7 @@ def hybrid(pool_size: int, seed: int = 7, path: str | None = None) -> dict:
         for name, host in pools.items():
             backend.register_mem_host_pool_v2(host, PoolName(name))
         backend.on_host_pools_registered()
-        page_bytes = {name: backend._v2_pools[name].page_bytes for name in pools}
+        page_bytes = {name: backend.hybrid.pools[name].page_bytes for name in pools}
         store = backend.store
         sizes: list[int] = []  # every value written, in order, for the simulated peers
         written = requests = failed = 0

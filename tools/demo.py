@@ -6,7 +6,7 @@ host pool) finds them with batch_exists and loads them with batch_get_v1, then
 checks every byte. Instances with another TP rank, model or KV dtype look the
 same keys up and must see none of them.
 
-    python -m maru_sglang.demo [--pool /dev/shm/maru_shm_demo] [--pages 512] [--page-size 1]
+    python -m tools.demo [--pool /dev/shm/maru_shm_demo] [--pages 512] [--page-size 1]
 """
 
 from __future__ import annotations
