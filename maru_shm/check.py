@@ -121,7 +121,7 @@ def _repair_all(store, classes) -> int:
         bad = np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts)
         for gi in bad.tolist():
             w = int(words[gi])
-            store_u64(store.mm, g.off_blockmeta + gi * 32, next_word(w, FREE))
+            store_u64(store.mm, g.meta_of(gi * g.granule), next_word(w, FREE))
             fixes += 1
     finally:
         del words

@@ -47,7 +47,8 @@ CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head 
 CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
 CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
 CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = 40, 48, 56  # block CLOCK hand u64, decayed demand u64, its epoch u32
-KIND_UNUSED, KIND_EXACT = 0, 2  # and KIND_GEOMETRIC (sizeclasses)
+KIND_UNUSED, KIND_EXACT = 0, 2
+KIND_GEOMETRIC = KIND_GEOMETRIC  # defined with the size classes (sizeclasses.py), a kind like the others
 
 # --- process table -------------------------------------------------------
 PROC_ENTRY = 128

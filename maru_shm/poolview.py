@@ -25,7 +25,7 @@ import numpy as np
 from .errors import NotAPoolError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
                      KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
-                     LOCK_RECORD, MAX_BLOCKS_PER_SLAB, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
+                     LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
                      RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY, SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD,
                      VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
@@ -159,8 +159,8 @@ class _Snapshot:
         if self._meta is None:
             g = self.g
             self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, 32, "<u8"),
-                          _column(self.v.mm, g.off_blockmeta + 24, g.n_granules, 32, "<u4"),
-                          _column(self.v.mm, g.off_blockmeta + 28, g.n_granules, 32, "<u2"))
+                          _column(self.v.mm, g.off_blockmeta + META_LENGTH_OFF, g.n_granules, META_SIZE, "<u4"),
+                          _column(self.v.mm, g.off_blockmeta + META_OWNER_OFF, g.n_granules, META_SIZE, "<u2"))
         return self._meta
 
 
@@ -181,7 +181,7 @@ def _index_shape(v: PoolView) -> dict:
     g = v.geo
     n = g.index_slots
     words = _column(v.mm, g.off_index + 16, n, ENTRY_SIZE, "<u8")
-    homes = _column(v.mm, g.off_index + 8, n, ENTRY_SIZE, "<u8")  # digest[8:16]
+    homes = _column(v.mm, g.off_index + 8, n, ENTRY_SIZE, "<u8")  # digest bytes 8..15: the home slot's hash
     used = words != 0
     pos = np.arange(n, dtype=np.int64) % g.shard_slots
     home = (homes & np.uint64(g.shard_slots - 1)).astype(np.int64)

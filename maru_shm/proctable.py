@@ -79,9 +79,9 @@ class ProcessTable:
     def retire(self, slot: int) -> None:
         """PROC held: add a slot's counters to the retired totals and free the slot."""
         mm, o = self.att.mm, self.att.geo.slot_of(slot)
-        mine = COUNTERS.unpack_from(mm, o + PROC_COUNTERS_OFF)
+        own = COUNTERS.unpack_from(mm, o + PROC_COUNTERS_OFF)
         total = COUNTERS.unpack_from(mm, RETIRED_OFF)
-        COUNTERS.pack_into(mm, RETIRED_OFF, *[(a + b) & _U64_MASK for a, b in zip(total, mine)])
+        COUNTERS.pack_into(mm, RETIRED_OFF, *[(a + b) & _U64_MASK for a, b in zip(total, own)])
         mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
 
     def detach(self, settle) -> None:

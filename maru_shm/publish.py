@@ -78,7 +78,7 @@ class Publisher:
                 att.mm[m + META_OWNER_OFF:m + META_OWNER_OFF + 2] = self.procs.owner.to_bytes(2, "little")
 
     # ---------------------------------------------------------------- publishing a batch
-    def publish(self, batch, skip_existing: bool, mine: dict, res: list):
+    def publish(self, batch, skip_existing: bool, held: dict, res: list):
         """Index every committed block of a batch under all its shard locks at once (ascending, see locks.py).
 
         Returns (published flags, blocks to free, evictions, evicted bytes).
@@ -89,7 +89,7 @@ class Publisher:
         evicted = [0, 0]  # values, bytes
         with att.locks.hold_many(dense_range([SHARD_LOCK_BASE + s for s in shards]),
                                  repair_for=self.repair_shard_lock):
-            published, slow = batch.publish_fast(mine, res)
+            published, slow = batch.publish_fast(held, res)
             for k in slow:
                 i = batch.placed_i[k]
                 if self._publish_one(batch.digest(k), shards[k], batch.lives[k], batch.placed_off[k],

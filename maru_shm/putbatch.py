@@ -82,13 +82,13 @@ class ScalarPut(_PutBatch):
         shard_of = self.att.index.shard_of
         return [shard_of(self.digest(k)) for k in range(len(self))]
 
-    def publish_fast(self, mine: dict, res: list) -> tuple[list[bool], list[int]]:
+    def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
         """Nothing is published in one pass: every block still ours takes the scalar path, by shard."""
         mm, lives = self.att.mm, self.lives
         slow = []
         for k, m in enumerate(self.metas):
             if U64.unpack_from(mm, m)[0] == lives[k]:  # not freed under us (we are alive: never)
-                del mine[self.placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
+                del held[self.placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
                 slow.append(k)
         shards = self.shards
         slow.sort(key=shards.__getitem__)
@@ -142,7 +142,7 @@ class VectorPut(_PutBatch):
     def shards(self) -> list[int]:
         return self.shard_arr.tolist()
 
-    def publish_fast(self, mine: dict, res: list) -> tuple[list[bool], list[int]]:
+    def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
         """Insert every block still ours whose key is absent, in one Index.insert_absent pass; the keys it
         leaves (present, or sharing a probe run) are returned for the scalar path, in shard order."""
         index, n = self.att.index, len(self)
@@ -150,16 +150,16 @@ class VectorPut(_PutBatch):
         still = self.att.alloc.meta_words[self.gidx] == self.live
         if still.all():  # the common case: the batch as planned
             cand = None
-            if len(mine) == n:  # mine holds exactly this batch's blocks
-                mine.clear()
+            if len(held) == n:  # held names exactly this batch's blocks
+                held.clear()
             else:
                 for off in self.placed_off:
-                    del mine[off]
+                    del held[off]
             fast = index.insert_absent(self.shard_arr, self.halves, self.live, offs_u, plan=self.home)
         else:
             cand = np.flatnonzero(still)
             for k in cand.tolist():
-                del mine[self.placed_off[k]]
+                del held[self.placed_off[k]]
             fast = index.insert_absent(self.shard_arr[cand], self.halves[cand], self.live[cand], offs_u[cand],
                                        plan=(self.home[0][cand], self.home[1][cand]))
         if cand is None and fast.all():

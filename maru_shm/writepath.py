@@ -4,7 +4,7 @@ Per-key Python is the cost on small pages, so every step that can be is one nump
 batch (putbatch.VectorPut); a few keys take the scalar form (putbatch.ScalarPut). FORMAT.md section 8
 gives the order of stores and what a death after each leaves behind.
 
-`mine` (offset -> word) holds every block the call owns and has not yet handed to the publisher: if the
+`held` (offset -> word) holds every block the call owns and has not yet handed to the publisher: if the
 call raises, `settle` frees them; once a block is handed over, a death or a raise leaves it to close()
 or a reaper.
 """
@@ -28,18 +28,18 @@ class WritePath:
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
     def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool) -> list[bool]:
-        mine: dict[int, int] = {}
+        held: dict[int, int] = {}
         try:
-            return self._put(darr, pieces_list, skip_existing, assume_absent, mine)
+            return self._put(darr, pieces_list, skip_existing, assume_absent, held)
         except BaseException:
-            self.settle(mine)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
+            self.settle(held)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
             raise
 
-    def settle(self, mine: dict[int, int]) -> None:
+    def settle(self, held: dict[int, int]) -> None:
         """A put raised midway: free the blocks it reserved or committed but did not publish (best effort)."""
         att, owner = self.att, self.procs.owner
         to_free = []
-        for off, word in mine.items():
+        for off, word in held.items():
             m = att.geo.meta_of(off)
             if U64.unpack_from(att.mm, m)[0] == word and U16.unpack_from(att.mm, m + META_OWNER_OFF)[0] == owner:
                 to_free.append((off, word))  # still this lifetime and still ours: free it (word re-checked)
@@ -48,7 +48,7 @@ class WritePath:
         except StoreError:
             pass  # still owned by this slot: close() or a reaper settles them
 
-    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, mine: dict) -> list[bool]:
+    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, held: dict) -> list[bool]:
         n = len(darr)
         small = n <= SMALL_BATCH
         if small and isinstance(pieces_list, np.ndarray):
@@ -62,7 +62,7 @@ class WritePath:
         kind = ScalarPut if small else VectorPut
         in_order = len(groups) == 1 and len(placed_i) == n
         batch = kind(self.att, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
-        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, mine, res)
+        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, held, res)
         if not all(published):
             # still owned by us until freed: a crash here is reaped
             to_free += [(off, w) for off, w, p in zip(placed_off, batch.lives, published) if not p]
@@ -120,16 +120,16 @@ class WritePath:
                 _cp.hit("put.after_alloc")
         return placed_i, placed_off
 
-    def _write(self, batch, skip_existing: bool, mine: dict, res: list):
+    def _write(self, batch, skip_existing: bool, held: dict, res: list):
         """Copy, commit and publish the placed blocks: (published flags, to free, evictions, evicted bytes)."""
         if not len(batch):
             return [], [], 0, 0
-        mine.update(zip(batch.placed_off, batch.reserved()))
+        held.update(zip(batch.placed_off, batch.reserved()))
         batch.copy()
-        mine.update(zip(batch.placed_off, batch.commit()))
+        held.update(zip(batch.placed_off, batch.commit()))
         if _cp.ARMED is not None:
             _cp.hit("put.before_index")
-        return self.publisher.publish(batch, skip_existing, mine, res)
+        return self.publisher.publish(batch, skip_existing, held, res)
 
 
 def _check_fits(info, length: int) -> None:

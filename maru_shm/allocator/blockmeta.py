@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-from ..format import (FLAG_PINNED, FREE, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
+from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
                       RESERVED, U16, U64, next_word, store_u64)
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
@@ -109,7 +109,7 @@ class BlockMetas:
         # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
         # before packing, and the live check, which reads this meta without the class lock we do not
         # hold here, would see a RESERVED block owned by nobody.
-        mm[m + 8:m + META_SIZE] = _REST.pack(digest, length, owner, 0) + b"\0"  # flags 0: not pinned
+        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0) + b"\0"  # flags 0: not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""

@@ -55,14 +55,14 @@ class KeptBlocks:
         room = keep_limit(info) - len(self.lists.get(info.cid, ()))
         if room <= 0:
             return items
-        mine, rest = [], []
+        keeping, rest = [], []
         for off, word in items:
-            if len(mine) < room and self.ours(info.cid, off, word, owner):
-                mine.append((off, word))
+            if len(keeping) < room and self.ours(info.cid, off, word, owner):
+                keeping.append((off, word))
             else:
                 rest.append((off, word))
         with self._guard:
-            self.lists.setdefault(info.cid, []).extend(mine)
+            self.lists.setdefault(info.cid, []).extend(keeping)
         return rest
 
     def give_back(self, cid: int, offsets: list[int]) -> None:

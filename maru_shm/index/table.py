@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..errors import CorruptPoolError
-from ..format import (ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
+from ..format import (ENTRY_OFFSET_OFF, ENTRY_WORD_OFF, ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 ABSENT, UNDECIDED = -1, -2  # Index.probe: an empty slot ended the probe / the window ended it
@@ -227,18 +227,18 @@ class Index:
         if found is not None and on_replace is not None:
             on_replace(*found)
         if found is None:
-            self.mm[e:e + 16] = d
-            store_u64(self.mm, e + 24, offset)
-            store_u64(self.mm, e + 16, word)  # publication point (one 8-byte store)
+            self.mm[e:e + ENTRY_WORD_OFF] = d
+            store_u64(self.mm, e + ENTRY_OFFSET_OFF, offset)
+            store_u64(self.mm, e + ENTRY_WORD_OFF, word)  # publication point (one 8-byte store)
             if _cp.ARMED is not None:
                 _cp.hit("index.mid_insert")
             self._set_count(shard, self.count(shard) + 1)
             return None
         # A reader pairing the old word with the new offset fails block validation: a miss.
-        store_u64(self.mm, e + 24, offset)
+        store_u64(self.mm, e + ENTRY_OFFSET_OFF, offset)
         if _cp.ARMED is not None:
             _cp.hit("index.mid_replace")
-        store_u64(self.mm, e + 16, word)
+        store_u64(self.mm, e + ENTRY_WORD_OFF, word)
         return found
 
     def remove(self, shard: int, d: bytes, offset: int | None = None, word: int | None = None):
@@ -338,15 +338,15 @@ class Index:
             if stays:
                 continue
             eh = self.entry_off(shard, hole)
-            store_u64(mm, eh + 16, 0)
-            mm[eh:eh + 16] = ed
-            store_u64(mm, eh + 24, offset)
-            store_u64(mm, eh + 16, word)
+            store_u64(mm, eh + ENTRY_WORD_OFF, 0)
+            mm[eh:eh + ENTRY_WORD_OFF] = ed
+            store_u64(mm, eh + ENTRY_OFFSET_OFF, offset)
+            store_u64(mm, eh + ENTRY_WORD_OFF, word)
             if _cp.ARMED is not None:
                 _cp.hit("index.mid_shift")  # the moved entry is in the hole and still at j: a duplicate
             hole = j
         eh = self.entry_off(shard, hole)
-        store_u64(mm, eh + 16, 0)
+        store_u64(mm, eh + ENTRY_WORD_OFF, 0)
         mm[eh:eh + ENTRY_SIZE] = _ZERO_ENTRY
 
     def clock_victim(self, shard: int, is_referenced, is_pinned=None):
