@@ -18,6 +18,7 @@ Position k below is a placed block; `placed_i[k]` is its key's position in the c
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -77,7 +78,7 @@ class ScalarPut(_PutBatch):
             store_u64(mm, m, w)  # one 8-byte store each
         return self.lives
 
-    @property
+    @functools.cached_property
     def shards(self) -> list[int]:
         shard_of = self.att.index.shard_of
         return [shard_of(self.digest(k)) for k in range(len(self))]

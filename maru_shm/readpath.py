@@ -9,6 +9,7 @@ slab's ref bits for the CLOCKs (one byte store each: a lost race only makes a va
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -24,10 +25,7 @@ RETRIES = 3  # a concurrent overwrite may move a key between lookup and copy: lo
 class ReadPath:
     def __init__(self, att, counters):
         self.att, self.counters = att, counters
-
-    def lookup(self, d: bytes) -> Hit | None:
-        att = self.att
-        return lookup(att.index, att.mm, att.geo, d)
+        self.lookup = functools.partial(lookup, att.index, att.mm, att.geo)  # (digest) -> Hit | None
 
     def _mark_used(self, offset: int, meta: int) -> None:
         mm = self.att.mm

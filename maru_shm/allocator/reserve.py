@@ -102,7 +102,8 @@ class Reserver:
             return False
         s = slabs.geo.slab_entry(h)
         mm = slabs.mm
-        return (slabs.state(h) == UNIT_HEAD and slabs.cls(h) == info.cid and h + info.k <= slabs.geo.n_units
+        state, cid = slabs.state_and_cls(h)
+        return (state == UNIT_HEAD and cid == info.cid and h + info.k <= slabs.geo.n_units
                 and bool(mm[s + SLAB_INPARTIAL]) and get32(mm, s + SLAB_NBLOCKS) == info.bps
                 and (info.k == 1 or ((slabs.states[h + 1:h + info.k] == UNIT_TAIL).all()
                                      and (slabs.clsfield[h + 1:h + info.k] == h).all())))

@@ -8,6 +8,8 @@ the CLASS lock of the slab's class (and POOL where it changes a unit's state).
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from .. import crashpoints as _cp
@@ -15,6 +17,9 @@ from ..format import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITM
                       SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE, U32,
                       UNIT_HEAD, UNIT_TAIL)
 from .classtable import ClassInfo, ClassTable
+
+
+_STATE_CLS = struct.Struct("<II")  # a slab entry's first two fields (SLAB_STATE, SLAB_CLS): one read on hot paths
 
 
 def get32(mm, off: int) -> int:
@@ -45,21 +50,29 @@ class SlabTable:
         """The class of a HEAD, or the head unit a TAIL names."""
         return get32(self.mm, self.geo.slab_entry(u) + SLAB_CLS)
 
+    def state_and_cls(self, u: int) -> tuple[int, int]:
+        return _STATE_CLS.unpack_from(self.mm, self.geo.off_slabs + u * SLAB_ENTRY)
+
     def head_of(self, offset: int):
         """(head unit, ClassInfo) of the slab containing data offset, or (None, None)."""
-        n = self.geo.n_units
-        u = offset // self.geo.unit_size
+        geo = self.geo
+        n = geo.n_units
+        u = offset // geo.unit_size
         if not 0 <= u < n:
             return None, None
-        st, c = self.state(u), self.cls(u)
+        read = _STATE_CLS.unpack_from
+        st, c = read(self.mm, geo.off_slabs + u * SLAB_ENTRY)
         if st == UNIT_TAIL:
             u = c
-            if not 0 <= u < n or self.state(u) != UNIT_HEAD:
+            if not 0 <= u < n:
                 return None, None
-            c = self.cls(u)
+            st, c = read(self.mm, geo.off_slabs + u * SLAB_ENTRY)
+            if st != UNIT_HEAD:
+                return None, None
         elif st != UNIT_HEAD:
             return None, None
-        info = self.class_table.info(c)
+        classes = self.class_table.classes
+        info = classes[c] if c < len(classes) else None
         if info is None:
             self.class_table.refresh()
             info = self.class_table.info(c)
