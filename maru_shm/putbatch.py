@@ -8,7 +8,7 @@ without knowing which:
   reserved()        the reserved words, after a bounds check of every block against the data area
   copy()            the values into their blocks, without locks
   commit()          RESERVED -> LIVE with the next lifetime counter: one aligned 8-byte store per block
-  shards            the index shard of every placed key (the publisher locks them together)
+  shards            the index shard of every placed key, set by reserved() (the publisher locks them together)
   publish_fast()    SHARD locks held: publish what needs no scalar work; the rest is returned
   disown(flags)     SHARD locks held: clear our owner on the blocks published for good
 
@@ -18,7 +18,6 @@ Position k below is a placed block; `placed_i[k]` is its key's position in the c
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 
@@ -59,6 +58,8 @@ class ScalarPut(_PutBatch):
         geo, mm = self.att.geo, self.att.mm
         self.metas = [geo.meta_of(off) for off in self.placed_off]
         self.words = [U64.unpack_from(mm, m)[0] for m in self.metas]
+        shard_of, darr = self.att.index.shard_of, self.darr
+        self.shards = [shard_of(darr[i].tobytes()) for i in self.placed_i]
         return self.words
 
     def copy(self) -> None:
@@ -78,10 +79,6 @@ class ScalarPut(_PutBatch):
             store_u64(mm, m, w)  # one 8-byte store each
         return self.lives
 
-    @functools.cached_property
-    def shards(self) -> list[int]:
-        shard_of = self.att.index.shard_of
-        return [shard_of(self.digest(k)) for k in range(len(self))]
 
     def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
         """Nothing is published in one pass: every block still ours takes the scalar path, by shard."""
@@ -91,8 +88,7 @@ class ScalarPut(_PutBatch):
             if U64.unpack_from(mm, m)[0] == lives[k]:  # not freed under us (we are alive: never)
                 del held[self.placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
                 slow.append(k)
-        shards = self.shards
-        slow.sort(key=shards.__getitem__)
+        slow.sort(key=self.shards.__getitem__)
         return [False] * len(self), slow
 
     def disown(self, published: list[bool]) -> None:
@@ -118,6 +114,7 @@ class VectorPut(_PutBatch):
         self.halves = halves if self.in_key_order else halves[self.placed_i]
         index = att.index
         self.shard_arr = (self.halves[:, 0] & index.smask_u).astype(np.int64)
+        self.shards = self.shard_arr.tolist()
         self.home = index.home_plan(self.shard_arr, self.halves)
         self.offs = offs
         return reserved.tolist()
@@ -138,10 +135,6 @@ class VectorPut(_PutBatch):
         self.att.alloc.meta_words[self.gidx] = self.live
         self.lives = self.live.tolist()
         return self.lives
-
-    @property
-    def shards(self) -> list[int]:
-        return self.shard_arr.tolist()
 
     def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
         """Insert every block still ours whose key is absent, in one Index.insert_absent pass; the keys it
