@@ -128,6 +128,21 @@ def _geometric_count(granule: int, max_value: int) -> int:
     return len(geometric_sizes(granule, max_value))
 
 
+def _region_layout(proc_slots: int, n_units: int, index_shards: int, shard_slots: int, n_granules: int,
+                   data_align: int) -> tuple:
+    """The one home of the region layout (section 1): offsets of locks, classes, process table, slab table,
+    shard headers, index, block metas and data, each region page-aligned, the data `data_align`-aligned."""
+    page = 4096
+    off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
+    off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
+    off_slabs = _align(off_procs + proc_slots * PROC_ENTRY, page)
+    off_shards = _align(off_slabs + n_units * SLAB_ENTRY, page)
+    off_index = _align(off_shards + index_shards * SHARD_HEADER, page)
+    off_meta = _align(off_index + index_shards * shard_slots * ENTRY_SIZE, page)
+    off_data = _align(off_meta + n_granules * META_SIZE, data_align)
+    return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Immutable layout of one pool; the superblock's immutable part."""
@@ -202,20 +217,12 @@ class Geometry:
         if n_geo_classes > CLASS_CAP - 8:
             raise ValueError("max_value / granule span too wide for the class table")
         data_align = data_align or unit_size
-        page = 4096
-        off_locks = SUPERBLOCK_SIZE
-        off_classes = _align(off_locks + LOCK_IDS * LOCK_RECORD.size, page)
-        off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
-        off_slabs = _align(off_procs + proc_slots * PROC_ENTRY, page)
 
         def layout(n_units: int, slots: int):
             shard_slots = max(16, slots // index_shards)
-            off_shards = _align(off_slabs + n_units * SLAB_ENTRY, page)
-            off_index = _align(off_shards + index_shards * SHARD_HEADER, page)
-            off_meta = _align(off_index + index_shards * shard_slots * ENTRY_SIZE, page)
             n_granules = n_units * unit_size // granule
-            off_data = _align(off_meta + n_granules * META_SIZE, data_align)
-            return shard_slots, off_shards, off_index, off_meta, n_granules, off_data
+            offs = _region_layout(proc_slots, n_units, index_shards, shard_slots, n_granules, data_align)
+            return shard_slots, offs[4], offs[5], offs[6], n_granules, offs[7]
 
         def slots_for(n_units: int) -> int:
             want = index_slots if index_slots else max(index_shards * 64, n_units * unit_size // (16 << 10))
@@ -244,6 +251,8 @@ class Geometry:
             max_value = n_units * unit_size
             n_geo_classes = len(geometric_sizes(granule, max_value))
         shard_slots, off_shards, off_index, off_meta, n_granules, off_data = layout(n_units, slots_for(n_units))
+        off_locks, off_classes, off_procs, off_slabs = _region_layout(
+            proc_slots, n_units, index_shards, shard_slots, n_granules, data_align)[:4]
         return Geometry(
             file_size=file_size, granule=granule, unit_size=unit_size, n_units=n_units,
             n_geo_classes=n_geo_classes, class_cap=CLASS_CAP, proc_slots=proc_slots,
@@ -297,15 +306,9 @@ class Geometry:
     def _planned_offsets(self, data_align: int) -> tuple:
         """Where plan() puts the regions for these counts (data aligned to data_align: the unit, or 2 MiB on
         DAX). A header re-signed with a valid checksum cannot move a region without changing a count."""
-        page = 4096
-        off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
-        off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
-        off_slabs = _align(off_procs + self.proc_slots * PROC_ENTRY, page)
-        off_shards = _align(off_slabs + self.n_units * SLAB_ENTRY, page)
-        off_index = _align(off_shards + self.index_shards * SHARD_HEADER, page)
-        off_meta = _align(off_index + self.index_slots * ENTRY_SIZE, page)
-        off_data = _align(off_meta + self.n_granules * META_SIZE, data_align)
-        return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
+        return _region_layout(self.proc_slots, self.n_units, self.index_shards, self.shard_slots, self.n_granules,
+                              data_align)
+
 
     def validate(self) -> None:
         """Cross-check the geometry so later arithmetic cannot leave the mapping."""

@@ -162,3 +162,24 @@ def test_relative_imports_are_resolved():
     assert "maru_shm.errors" in _imports(probe)
     store = ROOT / "maru_shm" / "store.py"
     assert {"maru_shm.publish", "maru_shm.allocator"} <= set(_imports(store))
+
+
+# No god classes: a newcomer reads one concept at a time (issue 15's limits).
+MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 600, 400, 90
+
+
+@pytest.mark.parametrize("package", ["maru_shm", "maru_sglang", "tools"])
+def test_no_file_class_or_function_past_its_size_limit(package):
+    too_long = []
+    for path in _package_files(package):
+        source = path.read_text()
+        rel = path.relative_to(ROOT)
+        if package == "maru_shm" and source.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{rel}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
+            length = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and length > MAX_CLASS_LINES:
+                too_long.append(f"{rel}: class {node.name}, {length} lines")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and length > MAX_FUNCTION_LINES:
+                too_long.append(f"{rel}: {node.name}(), {length} lines")
+    assert not too_long, "\n".join(too_long)
