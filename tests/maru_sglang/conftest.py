@@ -59,13 +59,13 @@ def mha_llama(make_instance):
 
 
 _SLOW_FIRST = ("test_readme_demo_main_job", "test_two_processes_share_pages_and_strangers_see_none",
-               "test_llama_pages_fill_the_pool_until_it_evicts")
+               "test_llama_pages_fill_the_pool_until_it_evicts", "test_sglangs_own_controller_across_two_processes")
 
 
 def pytest_collection_modifyitems(config, items):
     """Start the multi-process tests first, so that with pytest-xdist they overlap the many short ones."""
     here = os.path.join(_HERE, "")
-    slow = [it for it in items if it.name in _SLOW_FIRST and str(it.path).startswith(here)]
+    slow = [it for it in items if getattr(it, "originalname", it.name) in _SLOW_FIRST and str(it.path).startswith(here)]
     if slow:
         rest = [it for it in items if it not in slow]
         items[:] = slow + rest

@@ -1,0 +1,91 @@
+"""SGLang's own HiCache controller drives MaruStorage across two processes (issue 16).
+
+Everything between the host pool and the pool file is SGLang 0.5.23's code: its assembler
+(build_kv_only_stack) builds the HybridCacheController from a real ServerArgs, its `dynamic` factory
+creates MaruStorage, and its backup, prefetch, io and sync threads move the pages. What is patched
+(CUDA only) and what the test plays (the scheduler thread's two calls, because UnifiedRadixCache cannot
+be imported without the `openai` package) is said in controller_stack.py.
+
+Process A backs up a parent prompt of 8 pages and a child node of 4 chained to it; process B, a second
+SGLang instance on the same pool, prefetches: the parent, the chain through the child, a longer prompt
+whose stored part is the parent, and a prompt nobody wrote; it reads both instances' figures through
+SGLang's StorageMetricsCollector, clears the storage backend and asks again. Both for `interface_v1: 1`
+(zero-copy pieces) and the legacy path (flat pages).
+
+The other modules of this folder call the backend's HiCacheStorage methods directly, with
+hicache_helpers imitating the controller, where this real stack cannot reach: v2 pool shapes
+(Mamba, DeepSeek-V4, DSA) SGLang cannot assemble on CPU, fault injection, and tests of one method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from . import hicache_helpers as hh
+
+pytestmark = pytest.mark.sglang
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(role: str, pool: str, models: str, mode: str) -> dict:
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "tests.maru_sglang.controller_stack", role, pool,
+                           models, mode], cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"{role} ({mode}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode", ["v1", "legacy"])
+def test_sglangs_own_controller_across_two_processes(mode, tmp_path):
+    """One test per interface, so that each pair of SGLang processes starts once whatever the xdist split;
+    each check below says what it proves. v1 and legacy must give the very same figures."""
+    pool = hh.shm_path(f"ctl-{mode}")
+    try:
+        a = _run("writer", pool, str(tmp_path), mode)
+        b = _run("reader", pool, str(tmp_path), mode)
+    finally:
+        if os.path.exists(pool):
+            os.unlink(pool)
+    _built_by_sglang(mode, a)
+    _backed_up_and_prefetched_byte_identical(a, b)
+    _chained_longer_and_missing_prompts(a, b)
+    _figures_through_storage_metrics_collector(a, b)
+    _clear_storage_backend_retires_every_page(b)
+
+
+def _built_by_sglang(mode, a):
+    assert a["controller"] == "HybridCacheController" and a["backend"] == "MaruStorage"
+    assert a["uses_pieces"] == (mode == "v1")
+    assert a["page_bytes"] == 16 * 2 * 2 * 2 * 64 * 2  # tokens x K,V x layers x heads x head_dim x bf16
+
+
+def _backed_up_and_prefetched_byte_identical(a, b):
+    assert (a["parent_done"], a["child_done"]) == (8 * 16, 4 * 16)
+    assert b["parent"] == {"hit": 128, "loaded": 128, "digests": a["parent_digests"]}
+
+
+def _chained_longer_and_missing_prompts(a, b):
+    # a child node is found through its parent's hash chain
+    assert b["chain"] == {"hit": 192, "loaded": 192, "digests": a["parent_digests"] + a["child_digests"]}
+    assert b["longer"] == {"hit": 128, "loaded": 128}  # the hit stops at the stored part
+    assert b["miss"] == {"hit": 0, "loaded": 0}
+
+
+def _figures_through_storage_metrics_collector(a, b):
+    # A: two backups (8 and 4 pages); B: three loads (8, 12 and 8 pages)
+    assert (a["metrics"]["backup_pgs_count"], a["metrics"]["backup_pgs_sum"]) == (2, 12)
+    assert a["metrics"]["backup_bandwidth_count"] == 2
+    assert (b["metrics"]["prefetch_pgs_count"], b["metrics"]["prefetch_pgs_sum"]) == (3, 28)
+    assert b["metrics"]["prefetch_bandwidth_count"] == 3
+    assert a["metrics"]["prefetch_pgs_count"] == b["metrics"]["backup_pgs_count"] == 0
+
+
+def _clear_storage_backend_retires_every_page(b):
+    assert b["cleared"] is True
+    assert b["after_clear"] == {"hit": 0, "loaded": 0}
