@@ -1,10 +1,12 @@
 """P2P sharing without a GPU: two SGLang instances, one maru_shm pool (the README's main job).
 
-Instance 1 (its own process and real SGLang host pool) stores a prompt's KV
-pages through MaruStorage.batch_set_v1. Instance 2 (another process, another
-host pool) finds them with batch_exists and loads them with batch_get_v1, then
-checks every byte. Instances with another TP rank, model or KV dtype look the
-same keys up and must see none of them.
+Each instance is its own process with SGLang's own HiCache storage stack (tools/sglang_stack.py): the
+HybridCacheController that SGLang's assembler builds from a real ServerArgs, with MaruStorage attached by
+SGLang's `dynamic` backend factory. Instance 1 backs a prompt's KV pages up through the controller's
+backup thread. Instance 2 prefetches the same prompt through the controller's prefetch path (hit query,
+io thread, acks) and checks every byte. Instances with another TP rank, model or KV dtype query the same
+prompt and must hit none of it. The figures printed are the controller's acks and what MaruStorage
+reports to SGLang's StorageMetricsCollector.
 
     python -m tools.demo [--pool /dev/shm/maru_shm_demo] [--pages 512] [--page-size 1]
 """
@@ -12,113 +14,85 @@ same keys up and must see none of them.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import multiprocessing as mp
 import os
+import queue
 import sys
+import tempfile
 import time
 
-GEOMETRY = dict(layer_num=32, head_num=8, head_dim=128)  # Llama-3.1-8B
+def _stack(pool: str, size: str, models: str, pages: int, page_size: int, **kw):
+    from .sglang_stack import LLAMA_8B, Stack
+    return Stack(pool, models, v1=True, tokens=pages * page_size + page_size, page_size=page_size,
+                 geometry=kw.pop("geometry", LLAMA_8B), size=size, **kw)
 
 
-def extra_config(pool: str, size: str) -> dict:
-    return {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-            "interface_v1": 1, "maru_path": pool, "maru_pool_size": size}
+def _prompt(pages: int, page_size: int) -> list[int]:
+    from .sglang_stack import tokens_of
+    return tokens_of(1000, pages, page_size)
 
 
-def make_instance(pool: str, size: str, *, pages: int, page_size: int, tp_rank: int = 0, tp_size: int = 1,
-                  model: str = "meta-llama/Llama-3.1-8B-Instruct", dtype: str = "bfloat16"):
-    """A real SGLang MHA host pool (CPU) and a MaruStorage made by SGLang's own backend factory."""
-    import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    torch_dtype = getattr(torch, dtype)
-    tokens = pages * page_size
-    device_pool = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch_dtype, device="cpu",
-                                   enable_memory_saver=False, start_layer=0, end_layer=GEOMETRY["layer_num"] - 1,
-                                   enable_alt_stream=False, **GEOMETRY)
-    host = MHATokenToKVPoolHost(device_pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size,
-                                "page_first_direct", pin_memory=False, device="cpu", allocator_type="default",
-                                device_capacity_tokens=0, host_token_capacity=tokens + page_size,
-                                start_layer=0, end_layer=GEOMETRY["layer_num"] - 1)
-    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                               attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-                               is_page_first_layout=False, model_name=model, extra_config=extra_config(pool, size))
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, host)
-    backend.register_mem_pool_host(host)
-    backend.on_host_pools_registered()
-    return host, backend
+def _bandwidth(metrics: dict, kind: str) -> float:
+    """Mean GB/s over the batches MaruStorage reported to the collector (0 if none)."""
+    n = metrics.get(f"{kind}_bandwidth_count", 0)
+    return metrics.get(f"{kind}_bandwidth_sum", 0) / n if n else 0.0
 
 
-def prompt_keys(n: int) -> list[str]:
-    """Page-chain hashes like SGLang's: each key hashes the previous one."""
-    keys, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"token-page-{i}".encode()).digest()
-        keys.append(prev.hex())
-    return keys
-
-
-def page_digests(host, indices) -> list[str]:
-    """SHA-256 of each page's bytes, gathered from the host pool's own piece pointers."""
-    import ctypes
-    ptrs, sizes = host.get_page_buffer_meta(indices)
-    per = len(ptrs) // (len(indices) // host.page_size)
-    out = []
-    for i in range(0, len(ptrs), per):
-        h = hashlib.sha256()
-        for p, n in zip(ptrs[i:i + per], sizes[i:i + per]):
-            h.update(ctypes.string_at(p, n))
-        out.append(h.hexdigest())
-    return out
-
-
-def writer(pool, size, pages, page_size, q):
-    import torch
-    host, backend = make_instance(pool, size, pages=pages, page_size=page_size)
-    idx = host.alloc(pages * page_size)
-    g = torch.Generator().manual_seed(1)
-    raw = host.kv_buffer.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    keys = prompt_keys(pages)
+def writer(pool, size, models, pages, page_size, q):
+    st = _stack(pool, size, models, pages, page_size)
+    tokens = _prompt(pages, page_size)
+    idx = st.alloc(len(tokens))
+    st.fill(idx, seed=1)
     t = time.perf_counter()
-    ok = 0
-    for s in range(0, pages, 128):
-        ok += sum(backend.batch_set_v1(keys[s:s + 128], idx[s * page_size:(s + 128) * page_size]))
+    _, done = st.backup(idx, tokens)
     dt = time.perf_counter() - t
-    q.put({"stored": ok, "seconds": dt, "bytes": ok * backend.page_bytes, "digests": page_digests(host, idx),
-           "page_bytes": backend.page_bytes})
-    backend.close()
+    q.put({"stored": done // page_size, "seconds": dt, "page_bytes": st.backend.page_bytes,
+           "digests": st.page_digests(idx), "metrics": st.metrics()})
+    st.close()
 
 
-def reader(pool, size, pages, page_size, q):
-    host, backend = make_instance(pool, size, pages=pages, page_size=page_size)
-    idx = host.alloc(pages * page_size)
-    keys = prompt_keys(pages)
-    hits = 0
-    for s in range(0, pages, 128):
-        n = backend.batch_exists(keys[s:s + 128])
-        hits += n
-        if n < len(keys[s:s + 128]):
-            break
+def reader(pool, size, models, pages, page_size, q):
+    st = _stack(pool, size, models, pages, page_size)
+    tokens = _prompt(pages, page_size)
     t = time.perf_counter()
-    loaded = 0
-    for s in range(0, hits, 128):
-        batch = keys[s:min(s + 128, hits)]
-        loaded += sum(backend.batch_get_v1(batch, idx[s * page_size:(s + len(batch)) * page_size]))
+    hit, loaded, idx = st.prefetch("demo", tokens)
     dt = time.perf_counter() - t
-    q.put({"hits": hits, "loaded": loaded, "seconds": dt, "digests": page_digests(host, idx[:hits * page_size])})
-    strangers = {}
-    for label, kw in (("tp_rank=1 of 2", dict(tp_rank=1, tp_size=2)), ("another model", dict(model="Qwen/Qwen2.5-7B")),
-                      ("fp16 KV", dict(dtype="float16"))):
-        _, other = make_instance(pool, size, pages=1, page_size=page_size, **kw)
-        strangers[label] = other.batch_exists(keys[:128])
-        other.close()
-    q.put({"strangers": strangers})
-    backend.close()
+    q.put({"hit": hit // page_size, "loaded": loaded // page_size, "seconds": dt,
+           "digests": st.page_digests(idx[:loaded]) if loaded else [], "metrics": st.metrics()})
+    st.close()
+
+
+def stranger(pool, size, models, pages, page_size, label, q):
+    from .sglang_stack import LLAMA_8B, Geometry
+    kw = {"tp rank 1 of 2": dict(tp=(1, 2)),
+          "another model": dict(geometry=Geometry(LLAMA_8B.layers, LLAMA_8B.kv_heads, LLAMA_8B.head_dim,
+                                                  "Qwen/Qwen2.5-7B-Instruct")),
+          "fp16 KV": dict(dtype="float16")}[label]
+    st = _stack(pool, size, models, pages, page_size, **kw)
+    hit, _, _ = st.prefetch("stranger", _prompt(pages, page_size))
+    q.put({label: hit // page_size})
+    st.close()
+
+
+def _run(target, *args, timeout=600):
+    """Run one instance in its own process; its report, or RuntimeError if it died or hung without one."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                return q.get(timeout=1), p.pid
+            except queue.Empty:
+                if not p.is_alive() and q.empty():
+                    raise RuntimeError(f"instance {target.__name__} (pid {p.pid}) died with exit code {p.exitcode}")
+        raise RuntimeError(f"instance {target.__name__} (pid {p.pid}) gave no report in {timeout} s")
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
 
 
 def main(argv=None) -> int:
@@ -131,26 +105,27 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if os.path.exists(a.pool):
         os.unlink(a.pool)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    print(f"pool {a.pool} ({a.size}); Llama-3.1-8B KV geometry, page_size {a.page_size}, {a.pages} pages")
-    w = ctx.Process(target=writer, args=(a.pool, a.size, a.pages, a.page_size, q))
-    w.start()
-    wres = q.get(timeout=600)
-    w.join()
-    print(f"instance 1 (pid {w.pid}): stored {wres['stored']}/{a.pages} pages of {wres['page_bytes']} B "
-          f"in {wres['seconds'] * 1e3:.1f} ms ({wres['bytes'] / wres['seconds'] / 1e9:.2f} GB/s)")
-    r = ctx.Process(target=reader, args=(a.pool, a.size, a.pages, a.page_size, q))
-    r.start()
-    rres = q.get(timeout=600)
-    sres = q.get(timeout=600)
-    r.join()
-    same = sum(x == y for x, y in zip(wres["digests"], rres["digests"]))
-    gbps = rres["loaded"] * wres["page_bytes"] / max(rres["seconds"], 1e-9) / 1e9
-    print(f"instance 2 (pid {r.pid}): batch_exists hits {rres['hits']}/{a.pages}, loaded {rres['loaded']} pages "
-          f"in {rres['seconds'] * 1e3:.1f} ms ({gbps:.2f} GB/s), byte-identical {same}/{rres['loaded']}")
-    for label, n in sres["strangers"].items():
-        print(f"  instance with {label}: sees {n} of those pages")
+    models = tempfile.mkdtemp(prefix="maru-demo-models-")
+    args = (a.pool, a.size, models, a.pages, a.page_size)
+    print(f"pool {a.pool} ({a.size}); Llama-3.1-8B KV geometry, page_size {a.page_size}, {a.pages} pages; "
+          "each instance: SGLang's HybridCacheController (build_kv_only_stack) + MaruStorage (dynamic factory)")
+    w, wpid = _run(writer, *args)
+    mb = w["metrics"]
+    print(f"instance 1 (pid {wpid}): backup thread stored {w['stored']}/{a.pages} pages of {w['page_bytes']} B "
+          f"in {w['seconds'] * 1e3:.1f} ms; MaruStorage to SGLang's metrics: {int(mb['backup_pgs_sum'])} pages "
+          f"in {int(mb['backup_pgs_count'])} batches, {_bandwidth(mb, 'backup'):.2f} GB/s")
+    r, rpid = _run(reader, *args)
+    mr = r["metrics"]
+    same = sum(x == y for x, y in zip(w["digests"], r["digests"]))
+    print(f"instance 2 (pid {rpid}): hit query {r['hit']}/{a.pages} pages, io thread loaded {r['loaded']} in "
+          f"{r['seconds'] * 1e3:.1f} ms, byte-identical {same}/{r['loaded']}; MaruStorage to SGLang's metrics: "
+          f"{int(mr['prefetch_pgs_sum'])} pages in {int(mr['prefetch_pgs_count'])} batches, "
+          f"{_bandwidth(mr, 'prefetch'):.2f} GB/s")
+    strangers = {}
+    for label in ("tp rank 1 of 2", "another model", "fp16 KV"):
+        res, _ = _run(stranger, *args, label)
+        strangers.update(res)
+        print(f"  instance with {label}: hits {res[label]} of those pages")
     from maru_shm import Store, format_size
     with Store.open(a.pool) as s:
         st = s.stats()
@@ -159,8 +134,8 @@ def main(argv=None) -> int:
           f"file ({st['utilization']:.1%}), {st['evictions']} evictions, check {'clean' if chk.ok else chk.problems}")
     if not a.keep:
         os.unlink(a.pool)
-    ok = (wres["stored"] == a.pages and rres["hits"] == a.pages and same == a.pages and chk.ok
-          and not any(sres["strangers"].values()))
+    ok = (w["stored"] == a.pages and r["hit"] == r["loaded"] == a.pages and same == a.pages and chk.ok
+          and not any(strangers.values()))
     print("P2P sharing: OK" if ok else "P2P sharing: FAILED")
     return 0 if ok else 1
 
