@@ -80,16 +80,14 @@ class Stack:
     """One SGLang process's storage stack: the controller, its host pool group, its storage backend."""
 
     def __init__(self, pool: str, models: str, *, v1: bool, tokens: int = PAGE_SIZE * 64, page_size: int = PAGE_SIZE,
-                 geometry: Geometry = TINY, size: str = "128M", dtype: str = "bfloat16", tp: tuple = (0, 1)):
+                 geometry: Geometry = TINY, size: str = "128M", dtype: str = "bfloat16", tp: tuple = (0, 1),
+                 swa_layers: int = 0):
+        """swa_layers > 0: a hybrid sliding-window model (the last swa_layers layers SWA), built by SGLang's
+        build_hybrid_swa_stack, whose SWA host pool reaches MaruStorage through register_mem_host_pool_v2."""
         import torch
         from sglang.srt import runtime_context
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_only_stack
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.pool_host import common as pool_host_common
-        from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.server_args import ServerArgs
 
         pool_host_common._cuda_host_register = lambda *args, **kwargs: None  # CUDA page locking (see above)
@@ -104,34 +102,64 @@ class Stack:
             tp_rank=tp[0], tp_size=tp[1], attn_tp_rank=tp[0], attn_tp_size=tp[1], attn_cp_rank=0, attn_cp_size=1,
             moe_tp_rank=tp[0], moe_tp_size=tp[1], pp_rank=0, pp_size=1, attn_dcp_rank=0, attn_dcp_size=1)
         self._ranks.__enter__()
-        torch_dtype = getattr(torch, dtype)
-        kv = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch_dtype, head_num=geometry.kv_heads,
-                              head_dim=geometry.head_dim, layer_num=geometry.layers, device="cpu",
-                              enable_memory_saver=False)
-        allocator = PagedTokenToKVPoolAllocator(tokens, page_size, torch_dtype, "cpu", kv, need_sort=False)
-        params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(
-            size=4, max_context_len=8192, device="cpu", enable_memory_saver=False),
-            token_to_kv_pool_allocator=allocator, page_size=page_size, tree_components=(ComponentType.FULL,))
         extra, self.prefetch_threshold, *_ = HybridCacheController.parse_storage_backend_extra_config(
             self.server_args.hicache_storage_backend_extra_config)
-        self.group, self.ctrl = build_kv_only_stack(
-            params=params, kv_pool=kv, full_layer_mapping={i: i for i in range(kv.layer_num)},
-            load_cache_event=threading.Event(), storage_backend=self.server_args.hicache_storage_backend,
-            use_mla=False, prefetch_threshold=self.prefetch_threshold, model_name=geometry.name,
-            storage_backend_extra_config=extra, enable_storage_metrics=True)
+        common = dict(load_cache_event=threading.Event(), storage_backend=self.server_args.hicache_storage_backend,
+                      use_mla=False, prefetch_threshold=self.prefetch_threshold, model_name=geometry.name,
+                      storage_backend_extra_config=extra, enable_storage_metrics=True)
+        build = self._build_swa if swa_layers else self._build_kv_only
+        self.group, self.ctrl = build(tokens, page_size, geometry, getattr(torch, dtype), swa_layers, common)
         self.backend = self.ctrl.storage_backend
         self.host = self.group.anchor_entry.host_pool
         self.host.pin_memory = False  # the legacy path's dummy flat page asks CUDA for pinned memory (see above)
+
+    @staticmethod
+    def _params(allocator, page_size: int, components):
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        return CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=8192, device="cpu", enable_memory_saver=False),
+            token_to_kv_pool_allocator=allocator, page_size=page_size, tree_components=components)
+
+    def _build_kv_only(self, tokens, page_size, geometry, dtype, _, common):
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_only_stack
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        kv = MHATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype, head_num=geometry.kv_heads,
+                              head_dim=geometry.head_dim, layer_num=geometry.layers, device="cpu",
+                              enable_memory_saver=False)
+        allocator = PagedTokenToKVPoolAllocator(tokens, page_size, dtype, "cpu", kv, need_sort=False)
+        return build_kv_only_stack(params=self._params(allocator, page_size, (ComponentType.FULL,)), kv_pool=kv,
+                                   full_layer_mapping={i: i for i in range(kv.layer_num)}, **common)
+
+    def _build_swa(self, tokens, page_size, geometry, dtype, swa_layers, common):
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (_swa_layer_mappings,
+                                                                             build_hybrid_swa_stack)
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        full_ids = list(range(geometry.layers - swa_layers))
+        kv = SWAKVPool(size=tokens, size_swa=tokens, page_size=page_size, dtype=dtype, head_num=geometry.kv_heads,
+                       head_dim=geometry.head_dim, swa_attention_layer_ids=list(range(len(full_ids), geometry.layers)),
+                       full_attention_layer_ids=full_ids, device="cpu", enable_memory_saver=False)
+        allocator = SWATokenToKVPoolAllocator(tokens, tokens, page_size, dtype, "cpu", kv, need_sort=False)
+        full_map, swa_map = _swa_layer_mappings(kv)
+        params = self._params(allocator, page_size, (ComponentType.FULL, ComponentType.SWA))
+        return build_hybrid_swa_stack(params=params, full_kv_pool=kv.full_kv_pool, swa_kv_pool=kv.swa_kv_pool,
+                                      full_layer_mapping=full_map, swa_layer_mapping=swa_map,
+                                      host_full_evict_fn=lambda n: 0, host_swa_evict_fn=lambda n: 0,
+                                      device_swa_evict_fn=lambda n: 0, **common)
 
     # ------------------------------------------------------------------ host pages
     def alloc(self, n_tokens: int):
         return self.group.alloc(n_tokens)
 
-    def fill(self, host_indices, seed: int) -> None:
+    def fill(self, host_indices, seed: int, pool=None) -> None:
         """Random bytes in the host pages `host_indices` (what a device -> host write would leave there)."""
         import torch
         gen = torch.Generator().manual_seed(seed)
-        for addr, size in zip(*self.host.get_page_buffer_meta(host_indices)):
+        for addr, size in zip(*(pool or self.host).get_page_buffer_meta(host_indices)):
             data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
             ctypes.memmove(addr, data.data_ptr(), size)
 
@@ -148,14 +176,40 @@ class Stack:
         return out
 
     # ------------------------------------------------------------------ the controller's storage paths
-    def backup(self, host_indices, tokens: list[int], last_hash: str | None = None) -> tuple[list[str], int]:
-        """write_storage -> backup thread -> MaruStorage; (page hashes, tokens the ack reports stored)."""
+    def backup(self, host_indices, tokens: list[int], last_hash: str | None = None,
+               swa_pages: int = 0) -> tuple[list[str], int]:
+        """write_storage -> backup thread -> MaruStorage; (page hashes, tokens the ack reports stored).
+
+        swa_pages > 0 (a hybrid SWA stack): also the SWA window of the last swa_pages pages, described as
+        SGLang's SWA component describes it for a storage backup (keys of the node's trailing pages,
+        TRAILING_PAGES), from SWA host pages filled like the KV ones.
+        """
         from sglang.srt.mem_cache.utils import get_storage_hash_str
         hashes = get_storage_hash_str(tokens, last_hash, page_size=self.page_size)  # what the radix tree computes
-        op_id = self.ctrl.write_storage(host_indices, tokens, hash_value=hashes)
+        extra = None
+        if swa_pages:
+            from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+            swa_idx = self.group.alloc(swa_pages * self.page_size, pool=PoolName.SWA)
+            self.fill(swa_idx, seed=len(tokens), pool=self.group.get_pool(PoolName.SWA))
+            extra = [PoolTransfer(name=PoolName.SWA, host_indices=swa_idx, keys=hashes[-swa_pages:],
+                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        op_id = self.ctrl.write_storage(host_indices, tokens, hash_value=hashes, extra_pools=extra)
         op = self.ctrl.ack_backup_queue.get(timeout=60)
         assert op.id == op_id
         return hashes, op.completed_tokens
+
+    def hit_query(self, rid: str, tokens: list[int], swa_pages: int = 0) -> tuple[int, dict]:
+        """submit_prefetch -> the prefetch thread's hit query only: (hit tokens, each pool's verdict in pages).
+        swa_pages > 0: with the SWA transfer SGLang's SWA component plans for a prefetch (placeholder keys,
+        TRAILING_PAGES), so the hit is what batch_exists_v2 finds restorable in every pool."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        transfers = [PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * swa_pages,
+                                  hit_policy=PoolHitPolicy.TRAILING_PAGES)] if swa_pages else None
+        self.ctrl.submit_prefetch(CacheRequestHandle(rid, 0), RadixKey(tokens), None, None, [], transfers)
+        op = self.ctrl.prefetch_hit_queue.get(timeout=60)
+        return op.storage_hit_count, {str(getattr(k, "value", k)): v for k, v in op.query_pool_hit_pages.items()}
 
     def prefetch(self, rid: str, tokens: list[int], last_hash: str | None = None):
         """submit_prefetch -> hit query (prefetch thread) -> [scheduler: threshold, host pages] -> io thread ->

@@ -52,9 +52,38 @@ def reader(pool: str, models: str, v1: bool) -> dict:
     return out
 
 
+def swa_writer(pool: str, models: str, v1: bool) -> dict:
+    """A hybrid sliding-window model (layer 1 SWA): prompt P backed up with its SWA window of 2 pages,
+    prompt Q with its KV pages only (as if its window had been evicted before the backup)."""
+    st = Stack(pool, models, v1=v1, swa_layers=1)
+    p_tokens, q_tokens = tokens_of(1000, 8), tokens_of(7000, 6)
+    idx = st.alloc(len(p_tokens) + len(q_tokens))
+    st.fill(idx, seed=2)
+    _, p_done = st.backup(idx[:len(p_tokens)], p_tokens, swa_pages=2)
+    _, q_done = st.backup(idx[len(p_tokens):], q_tokens)
+    out = {"p_done": p_done, "q_done": q_done, "pools": st.backend.hybrid.summary(),
+           "controller": type(st.ctrl).__name__, "stats": st.backend.hybrid.stats()}
+    st.close()
+    return out
+
+
+def swa_reader(pool: str, models: str, v1: bool) -> dict:
+    """The hit query of another instance, with the SWA transfer SGLang plans for a prefetch."""
+    st = Stack(pool, models, v1=v1, swa_layers=1)
+    p_tokens, q_tokens = tokens_of(1000, 8), tokens_of(7000, 6)
+    out = {"p": st.hit_query("p", p_tokens, swa_pages=2), "q": st.hit_query("q", q_tokens, swa_pages=2),
+           "p_short": st.hit_query("p-short", p_tokens[:6 * 16], swa_pages=2),
+           "q_kv_only": st.hit_query("q-kv", q_tokens)}
+    st.close()
+    return out
+
+
+ROLES = {"writer": writer, "reader": reader, "swa_writer": swa_writer, "swa_reader": swa_reader}
+
+
 def main() -> None:
     role, pool, models, v1 = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "v1"
-    result = (writer if role == "writer" else reader)(pool, models, v1)
+    result = ROLES[role](pool, models, v1)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # SGLang's storage threads are not daemons of ours to join
 

@@ -1,4 +1,8 @@
-"""The maru_* extra-config keys, and clear() / close() / get_stats()."""
+"""The maru_* extra-config keys, and clear() / close() / get_stats().
+
+Calls the backend's methods directly (hicache_helpers) to test one extra-config key, clear(), close()
+or get_stats() at a time; the same calls made by SGLang's controller are in test_sglang_controller.py.
+"""
 
 from __future__ import annotations
 

@@ -12,9 +12,11 @@ whose stored part is the parent, and a prompt nobody wrote; it reads both instan
 SGLang's StorageMetricsCollector, clears the storage backend and asks again. Both for `interface_v1: 1`
 (zero-copy pieces) and the legacy path (flat pages).
 
-The other modules of this folder call the backend's HiCacheStorage methods directly, with
-hicache_helpers imitating the controller, where this real stack cannot reach: v2 pool shapes
-(Mamba, DeepSeek-V4, DSA) SGLang cannot assemble on CPU, fault injection, and tests of one method.
+A hybrid sliding-window model goes through the same assembler (build_hybrid_swa_stack): backup of the
+SWA window and the hybrid hit query. The other modules of this folder call the backend's HiCacheStorage
+methods directly, with hicache_helpers imitating the controller, where this real stack cannot reach:
+the loads of v2 pools (UnifiedRadixCache stages them), pool shapes whose stacks need more than the CPU
+pools give (Mamba, DeepSeek-V4, DSA), fault injection, and tests of one method at a time.
 """
 
 from __future__ import annotations
@@ -89,3 +91,27 @@ def _figures_through_storage_metrics_collector(a, b):
 def _clear_storage_backend_retires_every_page(b):
     assert b["cleared"] is True
     assert b["after_clear"] == {"hit": 0, "loaded": 0}
+
+
+def test_a_hybrid_sliding_window_model_through_sglangs_assembler(tmp_path):
+    """A hybrid SWA model built by SGLang's build_hybrid_swa_stack: its SWA host pool reaches MaruStorage
+    through the controller's own register_mem_host_pool_v2, the backup thread stores the SWA window with
+    batch_set_v2, and the other instance's hit query (batch_exists_v2 with the transfer SGLang's SWA
+    component plans) counts a prefix only where its SWA window is stored too.
+
+    The SWA pages are not loaded back here: staging them and filling the planned keys is
+    UnifiedRadixCache's work (its buffer pipeline), which cannot be imported (controller_stack.py)."""
+    pool = hh.shm_path("ctl-swa")
+    try:
+        a = _run("swa_writer", pool, str(tmp_path), "v1")
+        b = _run("swa_reader", pool, str(tmp_path), "v1")
+    finally:
+        if os.path.exists(pool):
+            os.unlink(pool)
+    assert a["controller"] == "HybridCacheController" and a["pools"] == "swa 8.0 KiB"
+    assert (a["p_done"], a["q_done"]) == (128, 96)
+    assert a["stats"]["swa"]["sets"] == 2  # P's window of 2 pages, Q none
+    assert b["p"] == [128, {"kv": 8, "swa": 8}]
+    assert b["q"][0] == 0, "Q's KV pages are stored but its SWA window is not: nothing restorable"
+    assert b["p_short"][0] == 0, "the first 6 pages of P end before its stored SWA window"
+    assert b["q_kv_only"] == [96, {"kv": 6}]

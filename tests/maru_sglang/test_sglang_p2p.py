@@ -1,4 +1,8 @@
-"""Two OS processes, separate SGLang host pools, one pool file: P2P sharing and who may see whose pages."""
+"""Two OS processes, separate SGLang host pools, one pool file: P2P sharing and who may see whose pages.
+
+Two processes calling the backend directly (hicache_helpers), for the namespace rules (TP ranks, MLA,
+models, dtypes, layouts) the CPU stack of test_sglang_controller.py does not vary, and the main job.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Page size derivation, v1 round trips per layout, leading-run lookups, skip of present keys, exact length."""
+"""Page size derivation, v1 round trips per layout, leading-run lookups, skip of present keys, exact length.
+
+Calls MaruStorage's v1 methods directly (hicache_helpers): per layout, per page size, exact lengths
+and the skip of present keys, which the controller's threads would only hide behind their queues.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""No exception escapes a batch call (logged once per cause), and the legacy (non-v1) interface."""
+"""No exception escapes a batch call (logged once per cause), and the legacy (non-v1) interface.
+
+Fault injection: calls the backend directly (hicache_helpers) with bad indices, closed pools and
+broken stores, which SGLang's controller never produces on purpose.
+"""
 
 from __future__ import annotations
 
