@@ -16,7 +16,7 @@ from .errors import NotAPoolError, PoolInUseError, StoreError
 from .format import LOCK_PROC, MAGIC, SUPERBLOCK_SIZE, Geometry
 from .livecheck import check_live
 from .locks import ofd_trylock, ofd_unlock
-from .poolfile import side_lock_path
+from .poolfile import is_device_path, side_lock_path
 from .poolview import PoolView, processes
 from .sizes import parse_size
 from .store import Store
@@ -83,12 +83,7 @@ def destroy_pool(path: str, *, force: bool = False, timeout: float = 10.0) -> li
         os.close(fd)
 
 
-def is_device(path: str) -> bool:
-    """Is `path` a DAX character device (whose pool is wiped, not removed, by destroy_pool)?"""
-    try:
-        return stat.S_ISCHR(os.stat(path).st_mode)
-    except OSError:
-        return False
+is_device = is_device_path  # (path) -> is it a DAX character device, whose pool destroy_pool wipes instead of removing
 
 
 def _pool_kind(path: str) -> bool:
