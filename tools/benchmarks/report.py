@@ -43,6 +43,12 @@ def render(results: list[dict]) -> str:
                     f"evicts): {full['gbps']:.2f} GB/s [{full['spread_gbps'][0]:.2f}-{full['spread_gbps'][1]:.2f}]; "
                     f"x{row['set_full_vs_limit']:.2f} of the copy limit (rotating x{row['set_full_vs_cold_limit']:.2f}, "
                     f"per round x{_paired(row, 'set_full_vs_cold_limit')})")
+                if "all_core_limit_set" in row:
+                    lines.append(
+                        f"datapath  {format_size(row['page_bytes'])} pages vs the all-core copy limit "
+                        f"(set {row['all_core_limit_set']['gbps']:.2f}, get {row['all_core_limit_get']['gbps']:.2f} "
+                        f"GB/s): set x{row['set_vs_all_core']:.2f}, get x{row['get_vs_all_core']:.2f}, "
+                        f"full-pool set x{row['set_full_vs_all_core']:.2f}")
         elif r["scenario"] == "lookup":
             for case in ("all_hits", "first_miss"):
                 lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "
@@ -63,6 +69,7 @@ def render(results: list[dict]) -> str:
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
     return "\n".join(lines)
+
 
 def _met(m) -> str:
     return "n/a" if m is None else ("met" if m else "MISSED")
