@@ -19,7 +19,7 @@ DEFAULT_POOL_SIZE = 4 << 30
 SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight")
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_instance_id", "maru_timeout_ms",
-    "maru_eager_map", "maru_mode", *SERVER_ONLY_KEYS,
+    "maru_eager_map", "maru_mode", "maru_copy_threads", *SERVER_ONLY_KEYS,
 }
 
 
@@ -42,6 +42,7 @@ class MaruConfig:
     timeout_s: float = 2.0
     eager_map: bool = True
     mode: int = 0o600
+    copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "MaruConfig":
@@ -86,5 +87,11 @@ class MaruConfig:
                 raise ValueError(f"maru_mode: expected an octal file mode like '0660', got {m!r}") from None
             if not 0 <= kw["mode"] <= 0o777:
                 raise ValueError(f"maru_mode: out of range: {m!r}")
+        if extra.get("maru_copy_threads") not in (None, "auto"):
+            t = extra["maru_copy_threads"]
+            if isinstance(t, bool) or not isinstance(t, (int, str)) or not str(t).strip().isdigit() \
+                    or not 1 <= int(t) <= 64:
+                raise ValueError(f"maru_copy_threads: expected 'auto' or an integer from 1 to 64, got {t!r}")
+            kw["copy_threads"] = int(t)
         kw["instance_id"] = str(extra.get("maru_instance_id") or uuid.uuid4().hex[:12])
         return cls(**kw)

@@ -71,9 +71,10 @@ class MaruStorage(HiCacheStorage):
         try:
             # create=True also attaches to a ready pool, and formats again one whose creator died mid-format
             try:
-                store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode)
+                store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode,
+                                   copy_threads=c.copy_threads)
             except SizeMismatchError:
-                store = Store.open(c.path, create=True, timeout=c.timeout_s, mode=c.mode)
+                store = Store.open(c.path, create=True, timeout=c.timeout_s, mode=c.mode, copy_threads=c.copy_threads)
         except StoreError as e:
             raise RuntimeError(f"MaruStorage: cannot open pool {c.path}: {e}") from e
         if store.geo.file_size != c.pool_size and not store.created:

@@ -61,13 +61,17 @@ class PieceTable:
         starts = np.cumsum(lengths) - lengths  # where each value's pieces begin in the running total
         return cls(a[:, 0], sizes, value, ends - sizes - starts[value], lengths)
 
-    def scatter(self, rows, bases):
-        """(destination, source, nbytes) lists, for copying values `rows` into memory at `bases` (one each)."""
+    def into(self, rows, bases) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(destination, source, nbytes) int64 arrays, for copying values `rows` into memory at `bases`."""
         base = np.full(self.n, -1, dtype=np.int64)
         base[np.asarray(rows, dtype=np.int64)] = bases
         per = base[self.value]
         sel = np.flatnonzero(per >= 0)
-        return (per[sel] + self.within[sel]).tolist(), self.addrs[sel].tolist(), self.sizes[sel].tolist()
+        return per[sel] + self.within[sel], self.addrs[sel], self.sizes[sel]
+
+    def scatter(self, rows, bases):
+        """(destination, source, nbytes) lists, for copying values `rows` into memory at `bases` (one each)."""
+        return tuple(a.tolist() for a in self.into(rows, bases))
 
     def gather(self, rows, bases):
         """(destination, source, nbytes) lists, for copying values `rows` out of memory at `bases`."""

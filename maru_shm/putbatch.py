@@ -28,9 +28,9 @@ from .validity import granule_shift
 
 
 class _PutBatch:
-    def __init__(self, att, darr: np.ndarray, pieces, lengths: list, placed_i: list, placed_off: list,
+    def __init__(self, att, engine, darr: np.ndarray, pieces, lengths: list, placed_i: list, placed_off: list,
                  in_key_order: bool = False):
-        self.att = att
+        self.att, self.engine = att, engine
         self.in_key_order = in_key_order  # placed_i is exactly 0..n-1: every key placed, in order
         self.darr = darr  # (n, 16) digests of the whole call
         self.pieces = pieces  # per key (address, nbytes) lists, or a PieceTable (VectorPut)
@@ -64,6 +64,8 @@ class ScalarPut(_PutBatch):
 
     def copy(self) -> None:
         data, memmove, armed = self.att.data, ctypes.memmove, _cp.ARMED
+        if armed is None and sum([self.lengths[i] for i in self.placed_i]) >= self.engine.min_threaded:
+            return self._copy_large()
         for i, off in zip(self.placed_i, self.placed_off):
             dst = data + off
             for addr, nb in self.pieces[i]:
@@ -71,6 +73,19 @@ class ScalarPut(_PutBatch):
                 dst += nb
                 if armed is not None:
                     _cp.hit("put.mid_copy")
+
+    def _copy_large(self) -> None:
+        """A few large values: every piece by the copy engine."""
+        dsts, srcs, nbs = [], [], []
+        data = self.att.data
+        for i, off in zip(self.placed_i, self.placed_off):
+            dst = data + off
+            for addr, nb in self.pieces[i]:
+                dsts.append(dst)
+                srcs.append(addr)
+                nbs.append(nb)
+                dst += nb
+        self.engine.run(dsts, srcs, nbs)
 
     def commit(self) -> list[int]:
         mm = self.att.mm
@@ -120,15 +135,13 @@ class VectorPut(_PutBatch):
         return reserved.tolist()
 
     def copy(self) -> None:
-        """One flat loop over every piece, as a plain copy would do."""
-        memmove = ctypes.memmove
-        dsts, srcs, nbs = self.pieces.scatter(self.placed_i, self.att.data + self.offs)
+        """Every piece into its block by the copy engine (one piece at a time when a crash point is armed)."""
+        dsts, srcs, nbs = self.pieces.into(self.placed_i, self.att.data + self.offs)
         if _cp.ARMED is None:
-            for dst, addr, nb in zip(dsts, srcs, nbs):
-                memmove(dst, addr, nb)
+            self.engine.run(dsts, srcs, nbs)
         else:
-            for dst, addr, nb in zip(dsts, srcs, nbs):
-                memmove(dst, addr, nb)
+            for dst, addr, nb in zip(dsts.tolist(), srcs.tolist(), nbs.tolist()):
+                ctypes.memmove(dst, addr, nb)
                 _cp.hit("put.mid_copy")
 
     def commit(self) -> list[int]:

@@ -23,8 +23,8 @@ RETRIES = 3  # a concurrent overwrite may move a key between lookup and copy: lo
 
 
 class ReadPath:
-    def __init__(self, att, counters):
-        self.att, self.counters = att, counters
+    def __init__(self, att, engine, counters):
+        self.att, self.engine, self.counters = att, engine, counters
         self.lookup = functools.partial(lookup, att.index, att.mm, att.geo)  # (digest) -> Hit | None
 
     def _mark_used(self, offset: int, meta: int) -> None:
@@ -36,14 +36,21 @@ class ReadPath:
         """Copy one value into destination pieces; False if its block is unsafe or changed under the copy."""
         if block_start_problem(self.att.alloc, hit.offset, hit.length):
             return False  # not a block start of a formatted slab, or a length overrunning it: never copy
-        src = self.att.data + hit.offset
-        for addr, n in pieces:
-            ctypes.memmove(addr, src, n)
-            src += n
+        self._copy_value(self.att.data + hit.offset, pieces, hit.length)
         if U64.unpack_from(self.att.mm, hit.meta)[0] != hit.word:
             return False
         self._mark_used(hit.offset, hit.meta)
         return True
+
+    def _copy_value(self, src: int, pieces: Pieces, length: int) -> None:
+        """One value out of the pool into its pieces: a large one by the copy engine."""
+        if length >= self.engine.min_threaded:
+            dsts, nbs = [a for a, _ in pieces], [n for _, n in pieces]
+            self.engine.run(dsts, np.cumsum([src] + nbs[:-1]), nbs)
+            return
+        for addr, n in pieces:
+            ctypes.memmove(addr, src, n)
+            src += n
 
     def get_one(self, d: bytes, dest_of) -> int | None:
         """Copy the value of d into the pieces `dest_of(length)` gives (None: it does not fit); its length."""
@@ -87,10 +94,13 @@ class ReadPath:
                     ok = False
                 else:
                     off = offs[i]
-                    src = data + off
-                    for addr, n in pieces:
-                        memmove(addr, src, n)
-                        src += n
+                    if lens[i] >= self.engine.min_threaded:
+                        self._copy_value(data + off, pieces, lens[i])
+                    else:
+                        src = data + off
+                        for addr, n in pieces:
+                            memmove(addr, src, n)
+                            src += n
                     m = meta_of(off)
                     ok = U64.unpack_from(mm, m)[0] == words[i]  # unchanged across the copy: not torn
                     if ok:
@@ -107,9 +117,8 @@ class ReadPath:
         rows = np.flatnonzero(ok)
         if rows.size:
             offs = res.offsets[rows]
-            memmove = ctypes.memmove
-            for dst, src, nb in zip(*table.gather(rows, att.data + offs)):
-                memmove(dst, src, nb)
+            dst, src, nb = table.into(rows, att.data + offs)
+            self.engine.run(src, dst, nb)
             gidx = offs >> granule_shift(att.geo)
             still = att.alloc.meta_words[gidx] == res.words[rows]
             ok[rows] = still

@@ -32,6 +32,7 @@ from . import crashpoints as _cp
 from .allocator import Allocator
 from .attachment import Attachment
 from .check import check_store
+from .copyengine import CopyEngine, check_threads
 from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
@@ -137,7 +138,7 @@ class Store:
     def open(cls, path: str, size=None, create: bool = False, *, mode: int = 0o600, timeout: float = 2.0,
              allow_foreign_owner: bool = False, granule: int = 4096, unit_size: int = 256 << 10,
              max_value="64M", index_slots: int | None = None, index_shards: int = 64,
-             proc_slots: int = 128, populate: bool = False) -> "Store":
+             proc_slots: int = 128, populate: bool = False, copy_threads: int | None = None) -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
         Creation knobs (ignored for an existing pool, whose geometry is read
@@ -148,8 +149,13 @@ class Store:
         regular file) and pre-faults this process's mapping, so the first write
         to each page does not pay for a page fault; it costs the full pool size
         in RAM up front, which is what a KV-cache tier wants anyway.
+
+        copy_threads: threads that copy one batch's values (the caller's included), on cores other
+        processes leave idle; default copyengine.default_threads() (every core, at most 4). 1: the
+        calling thread alone.
         """
         timeout = check_timeout(timeout)
+        copy_threads = check_threads(copy_threads)
         if index_slots is not None and (type(index_slots) is not int or index_slots < 1):
             raise ValueError(f"index_slots must be a positive integer (or None to size it from the pool), "
                              f"got {index_slots!r}")
@@ -159,7 +165,7 @@ class Store:
         pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
                             allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
         try:
-            store = cls(pf, timeout)
+            store = cls(pf, timeout, copy_threads)
         except BaseException:
             pf.close()
             raise
@@ -167,7 +173,7 @@ class Store:
             store.populate()
         return store
 
-    def __init__(self, pf: PoolFile, timeout: float):
+    def __init__(self, pf: PoolFile, timeout: float, copy_threads: int | None = None):
         self.created = pf.created
         self._closed = False
         self._forked = False
@@ -179,8 +185,9 @@ class Store:
         self.publisher = Publisher(att, self.procs, self.counters)
         att.alloc = Allocator(AllocatorServices(att, self.procs, self.counters, self.publisher))
         self.reaper = Reaper(att, self.procs, self.counters)
-        self.reader = ReadPath(att, self.counters)
-        self.writer = WritePath(att, self.procs, self.counters, self.publisher, self.reaper.reap_dead)
+        self.engine = CopyEngine(copy_threads)
+        self.reader = ReadPath(att, self.engine, self.counters)
+        self.writer = WritePath(att, self.engine, self.procs, self.counters, self.publisher, self.reaper.reap_dead)
         try:
             self.procs.attach(self.reaper.reap_dead)
             self.reaper.reap_dead()
@@ -260,6 +267,7 @@ class Store:
             else:  # never write into a damaged mapping: give up the slot's lock only
                 self.procs.drop_slot_lock()
         finally:
+            self.engine.close()
             self.att.release()
 
     def _detach(self) -> None:

@@ -23,8 +23,8 @@ from .resolve import resolve
 
 
 class WritePath:
-    def __init__(self, att, procs, counters, publisher, reap):
-        self.att, self.procs, self.counters, self.publisher = att, procs, counters, publisher
+    def __init__(self, att, engine, procs, counters, publisher, reap):
+        self.att, self.engine, self.procs, self.counters, self.publisher = att, engine, procs, counters, publisher
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
     def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool) -> list[bool]:
@@ -61,7 +61,7 @@ class WritePath:
         placed_i, placed_off = self._reserve(groups, darr.view("<u8"), lengths)
         kind = ScalarPut if small else VectorPut
         in_order = len(groups) == 1 and len(placed_i) == n
-        batch = kind(self.att, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
+        batch = kind(self.att, self.engine, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
         published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, held, res)
         if not all(published):
             # still owned by us until freed: a crash here is reaped

@@ -66,6 +66,8 @@ def test_unknown_maru_keys_are_warned_by_name(make_instance, caplog):
     ("maru_timeout_ms", -5), ("maru_timeout_ms", "soon"), ("maru_timeout_ms", "nan"), ("maru_timeout_ms", "inf"),
     ("maru_timeout_ms", 1e400), ("maru_chunk_size_bytes", "1X"),
     ("maru_eager_map", "maybe"), ("maru_mode", "rw"), ("maru_path", ""),
+    ("maru_copy_threads", 0), ("maru_copy_threads", "many"), ("maru_copy_threads", True), ("maru_copy_threads", 65),
+    ("maru_copy_threads", 2.5),
 ])
 def test_bad_values_fail_at_construction_naming_the_key(pool_path, key, value):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory

@@ -1,0 +1,195 @@
+"""The copy engine: one batch of raw copies (destination, source, nbytes), on several threads at once.
+
+Why threads: one thread copies a batch of 64 KiB pieces at about two thirds of what the machine's cores
+copy together (BENCHMARKS.md, "The data path"), and a prefix hit waits for that copy. `ctypes.memmove`
+releases the GIL, so threads of this process copy in parallel with no code of our own.
+
+The rules (FORMAT.md section 8 relies on the first two):
+- The engine copies exactly the pieces it is given, nothing else. Callers bounds-check every piece
+  against the block it belongs to before calling; the engine never reads the pool's metadata.
+- `run` returns only after every piece is copied: no worker touches a piece after it returns, so the
+  caller's commit (put) or word re-check (get) follows the whole copy.
+- Workers are used only on cores other processes leave idle (idlecores.py decides; the engine copies).
+  Every thread, the caller's included, takes the next piece from one shared iterator, so a worker that
+  is not running takes nothing and the caller copies what is left. A batch in which the workers helped
+  little twice in a row (a CPU quota the kernel's counters do not show) runs the next BACKOFF batches alone: a busy
+  machine degrades to the one-thread path, never far below it.
+- One batch at a time uses the workers; a concurrent batch (another SGLang thread) copies on its caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+
+import numpy as np
+
+from .idlecores import IdleCores
+
+MIN_THREADED_BYTES = 2 << 20  # below this, waking a worker costs more than it saves (about 20 us)
+CUT = 4 << 20                 # pieces above this are cut into CUT-byte parts, so that threads share them
+BACKOFF = 32                  # batches run alone after two in a row in which the workers barely helped
+MAX_THREADS = 64
+
+
+def default_threads() -> int:
+    """Copy threads when none are asked for: every core this process may run on, at most 4.
+
+    Four threads copy about 40-60 GB/s on a server socket, the rate of the PCIe Gen5 link that the
+    pages cross next, and leave the other cores of a GPU's share to SGLang's own threads.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def check_threads(threads) -> int:
+    if threads is None:
+        return default_threads()
+    if type(threads) is not int or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"copy_threads must be an integer from 1 to {MAX_THREADS}, got {threads!r}")
+    return threads
+
+
+def merge_runs(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
+    """Pieces contiguous on both sides with their successor become one copy; huge pieces are cut in parts.
+
+    int64 arrays in, int64 arrays out; the bytes copied are exactly the same.
+    """
+    if len(nb) > 1:
+        end_d, end_s = dst[:-1] + nb[:-1], src[:-1] + nb[:-1]
+        starts = np.flatnonzero(np.concatenate(([True], (end_d != dst[1:]) | (end_s != src[1:]))))
+        if len(starts) < len(nb):
+            dst, src, nb = dst[starts], src[starts], np.add.reduceat(nb, starts)
+    big = nb > CUT
+    if big.any():
+        parts = np.where(big, (nb + CUT - 1) // CUT, 1)
+        first = np.repeat(np.cumsum(parts) - parts, parts)
+        k = (np.arange(int(parts.sum())) - first) * CUT  # byte offset of each part within its piece
+        owner = np.repeat(np.arange(len(nb)), parts)
+        dst, src = dst[owner] + k, src[owner] + k
+        nb = np.minimum(nb[owner] - k, CUT)
+    return dst, src, nb
+
+
+class _Job:
+    """One batch shared with the workers: the iterator they take pieces from and who joined it."""
+
+    __slots__ = ("pieces", "lock", "closed", "joined", "done", "helped")
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+        self.lock = threading.Lock()
+        self.closed = False  # set by the caller once the iterator is empty: a late worker stays out
+        self.joined = 0
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.helped = 0  # pieces the workers copied (the busy detector)
+
+
+def _copy_all(pieces) -> int:
+    memmove, n = ctypes.memmove, 0
+    for d, s, b in pieces:
+        memmove(d, s, b)
+        n += 1
+    return n
+
+
+def _worker(inbox: queue.SimpleQueue) -> None:
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        with job.lock:
+            if job.closed:
+                continue
+            job.joined += 1
+        n = 0
+        try:
+            n = _copy_all(job.pieces)
+        finally:
+            job.done.put(n)
+
+
+class CopyEngine:
+    """Copies batches of pieces on up to `threads` threads (the caller's and threads - 1 workers)."""
+
+    def __init__(self, threads: int | None = None):
+        self.threads = check_threads(threads)
+        self.min_threaded = MIN_THREADED_BYTES if self.threads > 1 else 1 << 62  # callers' shortcut
+        self._inboxes: list[queue.SimpleQueue] = []
+        self._pid = 0
+        self._busy = 0  # batches left to run alone
+        self._idle_workers = 0  # threaded batches in a row in which the workers barely helped
+        self._use = threading.Lock()  # held by the batch that uses the workers
+        self.cores = IdleCores()
+        self.batches_threaded = 0
+        self.batches_alone = 0
+
+    def run(self, dst, src, nb) -> None:
+        """Copy nb[i] bytes from src[i] to dst[i] for every i (sequences or int64 arrays of equal length)."""
+        dst, src, nb = (np.asarray(a, dtype=np.int64) for a in (dst, src, nb))
+        if self.threads == 1 or len(nb) < 2 and (not len(nb) or nb[0] <= CUT):
+            _copy_all(zip(dst.tolist(), src.tolist(), nb.tolist()))
+            return
+        dst, src, nb = merge_runs(dst, src, nb)
+        pieces = zip(dst.tolist(), src.tolist(), nb.tolist())
+        helpers = 0
+        if self._busy > 0:
+            self._busy -= 1
+        elif len(nb) > 1 and int(nb.sum()) >= MIN_THREADED_BYTES:
+            helpers = min(self.threads, self.cores.free(), len(nb)) - 1
+        if helpers < 1 or not self._use.acquire(blocking=False):
+            self.batches_alone += 1
+            _copy_all(pieces)
+            return
+        try:
+            self._threaded(pieces, helpers)
+        finally:
+            self._use.release()
+
+    def _threaded(self, pieces, helpers: int) -> None:
+        job = _Job(pieces)
+        started = self._pid != os.getpid()
+        for inbox in self._workers()[:helpers]:
+            inbox.put(job)
+        try:
+            mine = _copy_all(pieces)
+        finally:
+            with job.lock:
+                job.closed = True
+                joined = job.joined
+            helped = sum(job.done.get() for _ in range(joined))  # every worker that joined has finished
+        self.batches_threaded += 1
+        if started:
+            return  # threads just started may miss their first batch: no verdict
+        if helped * 4 >= (mine + helped) * helpers // (helpers + 1):  # at least a quarter of their share
+            self._idle_workers = 0
+        else:
+            self._idle_workers += 1
+            if self._idle_workers >= 2:
+                self._busy, self._idle_workers = BACKOFF, 0
+
+    def _workers(self) -> list[queue.SimpleQueue]:
+        """The worker inboxes, started on first use and again in a forked child (threads do not survive fork)."""
+        if self._pid != os.getpid():
+            self._inboxes = []
+            for _ in range(self.threads - 1):
+                inbox: queue.SimpleQueue = queue.SimpleQueue()
+                threading.Thread(target=_worker, args=(inbox,), name="maru-copy", daemon=True).start()
+                self._inboxes.append(inbox)
+            self._pid = os.getpid()
+        return self._inboxes
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); a later batch starts them again."""
+        if self._pid == os.getpid():
+            for inbox in self._inboxes:
+                inbox.put(None)
+        self._inboxes, self._pid = [], 0
+
+
+__all__ = ["CopyEngine", "check_threads", "default_threads", "merge_runs"]

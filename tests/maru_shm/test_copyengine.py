@@ -1,0 +1,181 @@
+"""The copy engine (maru_shm/copyengine.py) and the idle-core reading that sizes it (idlecores.py).
+
+Every test checks bytes: what the pieces name is copied exactly once, and nothing around them changes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import numpy as np
+import pytest
+
+from maru_shm import Store
+from maru_shm import copyengine
+from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, CopyEngine, merge_runs
+from maru_shm.idlecores import IdleCores
+
+KiB = 1024
+
+
+def _buffers(nbytes: int, seed: int):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 2 * 4096, dtype=np.uint8)  # a guard page each side
+    return src, dst
+
+
+def _scattered_plan(nbytes: int, piece: int, seed: int):
+    """Pieces of `piece` bytes taking the source in a random order to random destination slots."""
+    n = nbytes // piece
+    rng = np.random.default_rng(seed)
+    return rng.permutation(n) * piece, rng.permutation(n) * piece, np.full(n, piece, dtype=np.int64)
+
+
+def _expected(src, dst, d_off, s_off, nb):
+    want = dst.copy()
+    for d, s, n in zip(d_off.tolist(), s_off.tolist(), nb.tolist()):
+        want[4096 + d:4096 + d + n] = src[s:s + n]
+    return want
+
+
+def _always_free(engine: CopyEngine) -> CopyEngine:
+    """The policy answers 'every core is idle', so the threaded path is the one under test."""
+    engine.cores.free = lambda: engine.threads
+    return engine
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("piece", [4 * KiB, 64 * KiB, 1 << 20])
+def test_copies_exactly_the_pieces(threads, piece):
+    src, dst = _buffers(8 << 20, seed=piece + threads)
+    d_off, s_off, nb = _scattered_plan(6 << 20, piece, seed=threads)
+    want = _expected(src, dst, d_off, s_off, nb)
+    engine = _always_free(CopyEngine(threads))
+    try:
+        for _ in range(3):
+            engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+        assert np.array_equal(dst, want)
+        if threads > 1:
+            assert engine.batches_threaded >= 1  # later ones may run alone if a worker was slow to wake
+    finally:
+        engine.close()
+
+
+def test_merge_runs_joins_only_runs_contiguous_on_both_sides():
+    dst = np.array([0, 10, 20, 100, 110], dtype=np.int64)
+    src = np.array([500, 510, 900, 910, 920], dtype=np.int64)
+    nb = np.full(5, 10, dtype=np.int64)
+    d, s, n = merge_runs(dst, src, nb)
+    assert (d.tolist(), s.tolist(), n.tolist()) == ([0, 20, 100], [500, 900, 910], [20, 10, 20])
+
+
+def test_merge_runs_cuts_huge_pieces_into_parts_that_cover_them():
+    d, s, n = merge_runs(np.array([0, 10 * CUT], dtype=np.int64), np.array([0, 20 * CUT], dtype=np.int64),
+                         np.array([2 * CUT + 5, 3], dtype=np.int64))
+    assert n.tolist() == [CUT, CUT, 5, 3]
+    assert d.tolist() == [0, CUT, 2 * CUT, 10 * CUT] and s.tolist() == [0, CUT, 2 * CUT, 20 * CUT]
+
+
+def test_one_huge_piece_is_shared_and_copied_whole():
+    src, dst = _buffers(3 * CUT, seed=7)
+    engine = _always_free(CopyEngine(2))
+    try:
+        engine.run([dst.ctypes.data + 4096], [src.ctypes.data], [3 * CUT - 3])
+    finally:
+        engine.close()
+    assert np.array_equal(dst[4096:4096 + 3 * CUT - 3], src[:3 * CUT - 3])
+    assert not dst[:4096].any() and not dst[4096 + 3 * CUT - 3:].any()
+    assert engine.batches_threaded == 1
+
+
+def test_a_worker_that_never_runs_costs_the_copy_nothing_and_backs_off():
+    """A worker that is not scheduled never joins: the caller copies every piece and does not wait for it;
+    after two such batches the next ones run alone."""
+    src, dst = _buffers(MIN_THREADED_BYTES * 2, seed=3)
+    d_off, s_off, nb = _scattered_plan(MIN_THREADED_BYTES * 2, 64 * KiB, seed=3)
+    engine = _always_free(CopyEngine(2))
+    asleep = [queue.SimpleQueue()]  # an inbox nobody reads
+    engine._workers = lambda: asleep
+    engine._pid = os.getpid()  # as if started earlier
+    for _ in range(2):
+        dst[:] = 0
+        engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+        assert np.array_equal(dst, _expected(src, dst * 0, d_off, s_off, nb))
+    assert engine.batches_threaded == 2
+    engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+    assert engine.batches_threaded == 2 and engine.batches_alone == 1, "the next batch runs alone"
+
+
+def test_small_batches_and_busy_cores_copy_on_the_caller():
+    src, dst = _buffers(4 << 20, seed=5)
+    d_off, s_off, nb = _scattered_plan(MIN_THREADED_BYTES // 2, 64 * KiB, seed=5)
+    engine = CopyEngine(4)
+    engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+    d_off, s_off, nb = _scattered_plan(4 << 20, 64 * KiB, seed=6)
+    engine.cores.free = lambda: 1  # every other core is busy
+    engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+    assert (engine.batches_threaded, engine.batches_alone) == (0, 2)
+    assert engine._inboxes == [], "no worker was started"
+
+
+def test_a_forked_child_starts_its_own_workers():
+    src, dst = _buffers(4 << 20, seed=9)
+    d_off, s_off, nb = _scattered_plan(4 << 20, 64 * KiB, seed=9)
+    engine = _always_free(CopyEngine(2))
+    engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)  # workers of the parent
+    pid = os.fork()
+    if pid == 0:
+        try:
+            dst[:] = 0
+            engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+            ok = np.array_equal(dst, _expected(src, dst * 0, d_off, s_off, nb)) and engine.batches_threaded == 2
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    engine.close()
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 2.0, "2", True])
+def test_bad_thread_counts_are_refused(bad):
+    with pytest.raises(ValueError, match="copy_threads"):
+        CopyEngine(bad)
+
+
+def test_default_threads_is_every_allowed_core_at_most_four():
+    assert copyengine.default_threads() == max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def test_idle_cores_stay_within_the_affinity():
+    cores = IdleCores()
+    first = cores.free()
+    cores._at -= 1.0  # the next call reads /proc/stat again
+    second = cores.free()
+    assert 1 <= first <= cores.allowed and 1 <= second <= cores.allowed
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_store, threads):
+    """Pages through the vector paths, and single values large enough for the engine on the scalar paths."""
+    store = open_store("96M", copy_threads=threads)
+    _always_free(store.engine)
+    rng = np.random.default_rng(threads)
+    pages = rng.integers(0, 256, (64, 2, 32 * KiB), dtype=np.uint8)
+    pieces = np.array([[[int(p[0].ctypes.data), 32 * KiB], [int(p[1].ctypes.data), 32 * KiB]] for p in pages])
+    keys = [f"page-{i}" for i in range(64)]
+    assert store.batch_put_pieces(keys, pieces) == [True] * 64
+    out = np.zeros_like(pages)
+    dst = np.array([[[int(p[0].ctypes.data), 32 * KiB], [int(p[1].ctypes.data), 32 * KiB]] for p in out])
+    assert store.batch_get_pieces(keys, dst) == [True] * 64
+    assert np.array_equal(out, pages)
+    big = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    half = len(big) // 2
+    store.put_pieces("big", [(big.ctypes.data, half), (big.ctypes.data + half, len(big) - half)])
+    got = np.zeros(len(big) + 8192, dtype=np.uint8)
+    assert store.get_pieces("big", [(got.ctypes.data + 4096, len(big))])
+    assert np.array_equal(got[4096:-4096], big) and not got[:4096].any() and not got[-4096:].any()
+    assert store.batch_get_pieces(["big"], [[(got.ctypes.data + 4096, len(big))]]) == [True]
+    assert (store.engine.batches_threaded > 0) == (threads > 1)
