@@ -29,6 +29,10 @@ import numpy as np
 from .idlecores import IdleCores
 
 MIN_THREADED_BYTES = 2 << 20  # below this, waking a worker costs more than it saves (about 20 us)
+# Threads take the GIL back after every piece; a contended hand-off wakes the other thread (tens of
+# microseconds on a virtual machine whose idle vCPU halted). Measured here, 64 KiB pieces (128 KiB pages)
+# ran at 0.75-0.9 of one thread, 1 MiB pieces (2 MiB pages) at 1.2-1.3 times: threads only from this size.
+MIN_THREADED_PIECE = 256 << 10
 CUT = 4 << 20                 # pieces above this are cut into CUT-byte parts, so that threads share them
 BACKOFF = 32                  # batches run alone after two in a row in which the workers barely helped
 MAX_THREADS = 64
@@ -140,7 +144,7 @@ class CopyEngine:
         helpers = 0
         if self._busy > 0:
             self._busy -= 1
-        elif len(nb) > 1 and int(nb.sum()) >= MIN_THREADED_BYTES:
+        elif len(nb) > 1 and int(nb.sum()) >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(nb)):
             helpers = min(self.threads, self.cores.free(), len(nb)) - 1
         if helpers < 1 or not self._use.acquire(blocking=False):
             self.batches_alone += 1
