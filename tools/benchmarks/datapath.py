@@ -40,7 +40,30 @@ def bench_datapath(args) -> dict:
                            unit="GB/s", spread=full["spread_gbps"], peer_spread=cold["spread_gbps"],
                            goal=f">= {lim_goal} x limit", met=row["set_full_vs_cold_limit"] >= lim_goal))
         figs += _all_core_figures(row, 0 if ps == 1 else 1)
+        figs += _thread_figures(row)
     return {"scenario": "datapath", "rows": rows, "figures": figs}
+
+
+def _thread_figures(row: dict) -> list[dict]:
+    """The copy engine against the calling thread alone, on idle cores and beside one busy process per core
+    (issue 17: busy cores must cost at most 10 % against one thread), and the busy run's own limits."""
+    figs = []
+    busy = row["busy"]
+    for op in ("set", "get"):
+        label = f"batch_{op}_v1 {row['page_bytes']} B pages"
+        figs.append(figure(f"{label}, GB/s, copy engine vs one copy thread (idle cores)", row[op]["gbps"],
+                           row[f"one_{op}"]["gbps"], "same store, maru_copy_threads=1", unit="GB/s",
+                           spread=row[op]["spread_gbps"], peer_spread=row[f"one_{op}"]["spread_gbps"]))
+        figs.append(figure(f"{label}, GB/s, one busy process per core: copy engine vs one copy thread",
+                           busy[op]["gbps"], busy[f"one_{op}"]["gbps"], "same store, maru_copy_threads=1",
+                           unit="GB/s", spread=busy[op]["spread_gbps"], peer_spread=busy[f"one_{op}"]["spread_gbps"],
+                           goal=">= 0.9 x one thread", met=busy[f"{op}_vs_one_thread"] >= 0.9))
+        for peer, what in (("all_core_limit", "all-core copy limit"), ("memmove", "one-thread copy limit"),
+                           ("file", "HiCacheFile")):
+            figs.append(figure(f"{label}, GB/s, one busy process per core", busy[op]["gbps"],
+                               busy[f"{peer}_{op}"]["gbps"], f"{what}, same busy run", unit="GB/s",
+                               spread=busy[op]["spread_gbps"], peer_spread=busy[f"{peer}_{op}"]["spread_gbps"]))
+    return figs
 
 
 def _all_core_figures(row: dict, size_class: int) -> list[dict]:

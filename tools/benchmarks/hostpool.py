@@ -11,6 +11,7 @@ Each figure of MaruStorage is measured next to two peers in the same run:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -161,8 +162,28 @@ class _Limit:
         os.unlink(self.path)
 
 
+class BusyCores:
+    """One process per core spinning beside the benchmark while the context is open (SGLang's own threads
+    and other servers on a GPU node: the copy engine must not fall below one thread then)."""
+
+    def __enter__(self):
+        import subprocess
+        import sys
+        n = len(os.sched_getaffinity(0))
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+        time.sleep(0.5)  # they are running, and the copy engine's reading of idle cores has seen them
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
 def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
-    """batch_set_v1 / batch_get_v1 of 128 pages vs the copy limit and HiCacheFile."""
+    """batch_set_v1 / batch_get_v1 of 128 pages vs the copy limit and HiCacheFile, on idle cores and again
+    with one busy process per core."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -174,11 +195,15 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     pool = pool or f"/dev/shm/maru-bench-dp-{os.getpid()}"
     if os.path.exists(pool):
         os.unlink(pool)
-    pool_bytes = max(1 << 30, 2 * (repeat + 1) * BATCH * page_bytes)
+    # room for every round's pages without eviction: two backends, idle and busy, and slack
+    pool_bytes = max(1 << 30, 5 * (repeat + 1) * BATCH * page_bytes)
     extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
              "interface_v1": 1, "maru_path": pool, "maru_pool_size": pool_bytes}
     maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
     maru.register_mem_pool_host(host)
+    # the same pool through a second backend that copies on the calling thread alone (maru_copy_threads=1)
+    one = StorageBackendFactory.create_backend("dynamic", _storage_config(dict(extra, maru_copy_threads=1)), host)
+    one.register_mem_pool_host(host)
     # The steady state of a long-running server: a pool already full, where every batch evicts as many
     # pages as it writes (block CLOCK eviction within the page class).
     full_path = f"{pool}-full"
@@ -195,44 +220,59 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     # the same copies with the destination rotating over a pool-sized mapping, as ours (fresh blocks)
     # (a span of 256 MiB or four batches is far beyond any CPU cache, and bounds the memory it takes)
     cold = _Limit(host, BATCH * page_bytes, span=min(pool_bytes, max(4 * BATCH * page_bytes, 256 << 20)))
-    t = {k: [] for k in ("set", "set_full", "get", "limit_set", "limit_get", "torch_set", "torch_get", "memmove_set",
-                         "memmove_get", "cold_limit_set", "cold_limit_get", "all_core_limit_set", "all_core_limit_get",
-                         "file_set", "file_get")}
+    names = ("set", "set_full", "get", "one_set", "one_get", "limit_set", "limit_get", "torch_set", "torch_get",
+             "memmove_set", "memmove_get", "cold_limit_set", "cold_limit_get", "all_core_limit_set",
+             "all_core_limit_get", "file_set", "file_get")
+    t = {k: [] for k in names}
+    busy = {k: [] for k in names}
     try:
-        for rep in range(repeat + 1):  # first round warms up, not counted
-            rows = _timed_round(maru, full, hfile, limit, cold, host, src, dst, page_size, rep)
-            if rep:
-                for name, dt in rows:
-                    t[name].append(dt)
-                for op in ("set", "get"):
-                    t[f"limit_{op}"].append(min(t[f"torch_{op}"][-1], t[f"memmove_{op}"][-1]))
+        engine, threaded = maru.store.engine, {}
+        for phase, into in (("idle", t), ("busy", busy)):
+            before = (engine.batches_threaded, engine.batches_alone)
+            with (BusyCores() if phase == "busy" else contextlib.nullcontext()):
+                for rep in range(repeat + 1):  # first round warms up, not counted
+                    rows = _timed_round(maru, one, full, hfile, limit, cold, host, src, dst, page_size,
+                                        f"{phase}-{rep}")
+                    if rep:
+                        for name, dt in rows:
+                            into[name].append(dt)
+                        for op in ("set", "get"):
+                            into[f"limit_{op}"].append(min(into[f"torch_{op}"][-1], into[f"memmove_{op}"][-1]))
+            threaded[phase] = [engine.batches_threaded - before[0], engine.batches_alone - before[1]]
     finally:
         limit.close()
         cold.close()
         maru.close()
+        one.close()
         full.close()
         shutil.rmtree(file_dir, ignore_errors=True)
         for path in (pool, full_path):
             if os.path.exists(path):
                 os.unlink(path)
-    return _summary(t, page_size, page_bytes)
+    out = _summary(t, page_size, page_bytes)
+    out["busy"] = _summary(busy, page_size, page_bytes)
+    out["engine_batches"] = threaded  # phase -> [threaded, alone], warm-up rounds included
+    return out
 
 
-def _timed_round(maru, full, hfile, limit, cold, host, src, dst, page_size: int, rep: int) -> list:
-    """One round: ours (set, get, set into the full pool), the copy limits and HiCacheFile, back to back."""
-    keys = _page_keys(f"{page_size}-{rep}", BATCH)
+def _timed_round(maru, one, full, hfile, limit, cold, host, src, dst, page_size: int, rep: str) -> list:
+    """One round: ours (set, get, set into the full pool; set and get on one thread), the copy limits and
+    HiCacheFile, back to back."""
     rows = []
-    t0 = time.perf_counter()
-    ok = maru.batch_set_v1(keys, src)
-    rows.append(("set", time.perf_counter() - t0))
-    assert all(ok), "batch_set_v1 failed"
-    t0 = time.perf_counter()
-    ok = maru.batch_get_v1(keys, dst)
-    rows.append(("get", time.perf_counter() - t0))
-    assert all(ok), "batch_get_v1 failed"
+    for name, backend in (("", maru), ("one_", one)):
+        keys = _page_keys(f"{page_size}-{rep}-{name}", BATCH)
+        t0 = time.perf_counter()
+        ok = backend.batch_set_v1(keys, src)
+        rows.append((f"{name}set", time.perf_counter() - t0))
+        assert all(ok), "batch_set_v1 failed"
+        t0 = time.perf_counter()
+        ok = backend.batch_get_v1(keys, dst)
+        rows.append((f"{name}get", time.perf_counter() - t0))
+        assert all(ok), "batch_get_v1 failed"
     t0 = time.perf_counter()
     ok = full.batch_set_v1(_page_keys(f"{page_size}-{rep}-full", BATCH), src)
     rows.append(("set_full", time.perf_counter() - t0))
+    keys = _page_keys(f"{page_size}-{rep}", BATCH)
     assert all(ok), "batch_set_v1 into the full pool failed"
     for way in ("torch", "memmove"):
         t0 = time.perf_counter()
@@ -282,6 +322,7 @@ def _summary(t: dict, page_size: int, page_bytes: int) -> dict:
         out[f"{op}_vs_cold_limit"] = out[f"cold_limit_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_file"] = out[f"file_{op}"]["seconds"] / out[op]["seconds"]
         out[f"{op}_vs_all_core"] = out[f"all_core_limit_{op}"]["seconds"] / out[op]["seconds"]
+        out[f"{op}_vs_one_thread"] = out[f"one_{op}"]["seconds"] / out[op]["seconds"]
     # Per-round ratios: each round times ours and the limit back to back, so a slow phase of a shared
     # machine slows both; the median of these pairs moves less between runs than the ratio of medians.
     for name, ours, peer in (("set_vs_cold_limit", "set", "cold_limit_set"), ("get_vs_cold_limit", "get", "cold_limit_get"),
@@ -306,6 +347,9 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
              "interface_v1": 1, "maru_path": pool, "maru_pool_size": "256M"}
     maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
     maru.register_mem_pool_host(host)
+    # the same pool through a second backend that copies on the calling thread alone (maru_copy_threads=1)
+    one = StorageBackendFactory.create_backend("dynamic", _storage_config(dict(extra, maru_copy_threads=1)), host)
+    one.register_mem_pool_host(host)
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
     keys = _page_keys("lookup", BATCH)

@@ -49,6 +49,8 @@ def render(results: list[dict]) -> str:
                         f"(set {row['all_core_limit_set']['gbps']:.2f}, get {row['all_core_limit_get']['gbps']:.2f} "
                         f"GB/s): set x{row['set_vs_all_core']:.2f}, get x{row['get_vs_all_core']:.2f}, "
                         f"full-pool set x{row['set_full_vs_all_core']:.2f}")
+                if "busy" in row:
+                    lines += _render_threads(row)
         elif r["scenario"] == "lookup":
             for case in ("all_hits", "first_miss"):
                 lines.append(f"lookup    batch_exists x128 ({case.replace('_', ' ')}): {r[case + '_maru'] * 1e6:.1f} us "
@@ -73,6 +75,23 @@ def render(results: list[dict]) -> str:
 
 def _met(m) -> str:
     return "n/a" if m is None else ("met" if m else "MISSED")
+
+def _render_threads(row: dict) -> list[str]:
+    """The copy engine vs one copy thread, idle and beside one busy process per core."""
+    b, size = row["busy"], format_size(row["page_bytes"])
+    out = [f"datapath  {size} pages, copy engine vs one copy thread (idle): set x{row['set_vs_one_thread']:.2f} "
+           f"({row['set']['gbps']:.2f} vs {row['one_set']['gbps']:.2f} GB/s), get x{row['get_vs_one_thread']:.2f} "
+           f"({row['get']['gbps']:.2f} vs {row['one_get']['gbps']:.2f} GB/s); batches threaded / alone: idle "
+           f"{'/'.join(map(str, row['engine_batches']['idle']))}, busy {'/'.join(map(str, row['engine_batches']['busy']))}"]
+    for op in ("set", "get"):
+        out.append(
+            f"datapath  {size} pages, batch_{op}_v1 with one busy process per core: {b[op]['gbps']:.2f} GB/s; "
+            f"one copy thread {b['one_' + op]['gbps']:.2f} -> x{b[op + '_vs_one_thread']:.2f} (goal >= 0.9); "
+            f"all-core limit {b['all_core_limit_' + op]['gbps']:.2f} -> x{b[op + '_vs_all_core']:.2f}; "
+            f"one-thread limit {b['memmove_' + op]['gbps']:.2f}; HiCacheFile {b['file_' + op]['pages_per_s']:,.0f} "
+            f"pages/s -> x{b[op + '_vs_file']:.1f}")
+    return out
+
 
 def render_eviction(r: dict) -> list[str]:
     lo, hi = r["size_range"]
