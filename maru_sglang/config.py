@@ -7,6 +7,7 @@ only made sense with a MaruServer are ignored with one warning.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import uuid
 
@@ -19,8 +20,9 @@ DEFAULT_POOL_SIZE = 4 << 30
 SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight")
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_instance_id", "maru_timeout_ms",
-    "maru_eager_map", "maru_mode", "maru_copy_threads", *SERVER_ONLY_KEYS,
+    "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_tier2", "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
 }
+DEFAULT_TIER2_RETRY_S = 2.0
 
 
 def _bool(value, key: str) -> bool:
@@ -43,6 +45,8 @@ class MaruConfig:
     eager_map: bool = True
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
+    tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
+    tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "MaruConfig":
@@ -93,5 +97,43 @@ class MaruConfig:
                     or not 1 <= int(t) <= 64:
                 raise ValueError(f"maru_copy_threads: expected 'auto' or an integer from 1 to 64, got {t!r}")
             kw["copy_threads"] = int(t)
+        if extra.get("maru_tier2") is not None:
+            kw["tier2"] = _tier2_settings(extra["maru_tier2"])
+        if "maru_tier2_retry_s" in extra:
+            kw["tier2_retry_s"] = _seconds(extra["maru_tier2_retry_s"], "maru_tier2_retry_s", 0.05, 3600)
         kw["instance_id"] = str(extra.get("maru_instance_id") or uuid.uuid4().hex[:12])
         return cls(**kw)
+
+
+def _seconds(value, key: str, low: float, high: float) -> float:
+    try:
+        s = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected seconds, got {value!r}") from None
+    if not low <= s <= high:  # also refuses NaN
+        raise ValueError(f"{key}: must be between {low} and {high} seconds, got {value!r}")
+    return s
+
+
+def _tier2_settings(value) -> dict:
+    """maru_tier2: the keys of SGLang's mooncake backend, as a JSON object or a string holding one.
+
+    master_server_address (host:port) is required: the tier attaches only once that port answers. The
+    namespace tag is the tier's own (extra_backend_tag is set from the key space), so it may not be given.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"maru_tier2: not a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"maru_tier2: expected an object of mooncake settings, got {value!r}")
+    addr = value.get("master_server_address")
+    host, _, port = str(addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"maru_tier2: master_server_address must be host:port, got {addr!r}")
+    if "extra_backend_tag" in value:
+        raise ValueError("maru_tier2: extra_backend_tag is set by maru (the pool's namespace); remove it")
+    if value.get("standalone_storage"):
+        raise ValueError("maru_tier2: standalone_storage needs Mooncake's own host allocator; not supported")
+    return dict(value)

@@ -135,6 +135,16 @@ class HybridPools:
         if not spec.is_kv:
             self.pools[spec.name] = spec
 
+    def tags(self) -> List[str]:
+        """Every extra pool's namespace (topology and byte format), for the second tier's tag."""
+        return sorted(s.tag for s in self.pools.values())
+
+    def written_by_this_rank(self, transfers) -> list:
+        """The transfers whose pages this rank stores: on a non-writer MLA rank, only TP-sharded pools."""
+        if self.storage.is_writer:
+            return list(transfers or [])
+        return [t for t in transfers or [] if (s := self.spec(t.name)) is not None and s.tp_sharded]
+
     def summary(self) -> str:
         return ", ".join(f"{n} {format_size(s.page_bytes)}" for n, s in self.pools.items()) or "none"
 
@@ -284,7 +294,7 @@ class HybridPools:
         """A transfer named 'kv' moves the KV pages themselves, under the same keys as v1 / legacy calls."""
         st = self.storage
         if st.uses_pieces:
-            return st.batch_set_v1(keys, host_indices) if write else st.batch_get_v1(keys, host_indices)
+            return st.local_set_v1(keys, host_indices) if write else st.local_get_v1(keys, host_indices)
         host, ps = st.mem_pool_host, int(getattr(st.mem_pool_host, "page_size", 1) or 1)
         out = []
         for i, key in enumerate(keys):

@@ -32,11 +32,12 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorage
 
 from maru_shm import SizeMismatchError, Store, StoreError, format_size
 
-from .hybrid import HybridPools
-
 from .config import MaruConfig
+from .hybrid import HybridPools
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
+from .tier2 import SecondTier
+from .twotier import TwoTiers
 
 logger = logging.getLogger("maru_sglang")
 
@@ -58,6 +59,8 @@ class MaruStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self.keyspace = KeySpace(self.store, self.log_once)  # whose pages these are, and the clear() nonce
         self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
+        self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
+        self.tiers: TwoTiers | None = None
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
                        "set_failed": 0}
         self._prefetch_pgs: list[int] = []
@@ -174,7 +177,11 @@ class MaruStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Length of the leading run of keys present in the pool."""
+        """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
+        local = self.local_exists(keys)
+        return self.tiers.exists(keys, local) if self.tiers is not None else local
+
+    def local_exists(self, keys: List[str]) -> int:
         try:
             if not keys:
                 return 0
@@ -191,6 +198,10 @@ class MaruStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Load pages into the host pool; True only where the stored value is exactly one page."""
+        res = self.local_get_v1(keys, host_indices)
+        return self.tiers.fill(keys, host_indices, res) if self.tiers is not None and keys else res
+
+    def local_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         if not keys:
             return []
         try:
@@ -205,7 +216,13 @@ class MaruStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        """Store pages from the host pool; keys already present are skipped (and reported True)."""
+        """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
+        res = self.local_set_v1(keys, host_indices)
+        if self.tiers is not None and keys and self.is_writer:
+            return self.tiers.write_through(keys, host_indices, res)
+        return res
+
+    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         if not keys:
             return []
         if not self.is_writer:
@@ -220,28 +237,63 @@ class MaruStorage(HiCacheStorage):
             self.log_once("batch_set_v1", e)
             return [False] * len(keys)
 
+    def promote_v1(self, keys: List[str], host_indices) -> int:
+        """Store pages the second tier just loaded into the host pool; the number of pages written."""
+        try:
+            pieces = self._pieces(host_indices, len(keys))
+            return store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes)[1]
+        except Exception as e:
+            self.log_once("promoting pages from the second tier", e)
+            return 0
+
     # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """One extra pool (Mamba, SWA, indexer, DeepSeek-V4 compressed KV...): own page size, class and keys."""
         spec = self.hybrid.describe(host_pool, host_pool_name)  # raises for a pool it cannot serve
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self.hybrid.register(spec)
+        if self.tier2 is not None and not spec.is_kv:
+            self.tier2.register_v2(host_pool, spec.name)
 
     def on_host_pools_registered(self) -> None:
         logger.info("maru: host pools registered: kv %s; v2 pools: %s", format_size(self.page_bytes or 0),
                     self.hybrid.summary())
+        self._start_tier2()
+
+    def _start_tier2(self) -> None:
+        """Attach the second tier in the background (maru_tier2): SGLang starts on the pool alone."""
+        if self.config.tier2 is None or self.tier2 is not None:
+            return
+        if not self.uses_pieces:
+            raise ValueError("MaruStorage: maru_tier2 needs zero-copy page I/O: add \"interface_v1\": 1 to the "
+                             "extra config")
+        self.tier2 = SecondTier(self.config.tier2, self.config.tier2_retry_s, self.log_once)
+        for spec in self.hybrid.pools.values():
+            self.tier2.register_v2(spec.host_pool, spec.name)
+        self.tier2.start(self.storage_config, self.mem_pool_host, self.keyspace.tier_tag(self.hybrid.tags()))
+        self.tiers = TwoTiers(self, self.tier2)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        return self.hybrid.batch_exists_v2(keys, pool_transfers)
+        local = self.hybrid.batch_exists_v2(keys, pool_transfers)
+        return self.tiers.exists_v2(keys, pool_transfers, local) if self.tiers is not None else local
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return self.hybrid.batch_io_v2(transfers, write=False)
+        res = self.hybrid.batch_io_v2(transfers, write=False)
+        return self.tiers.fill_v2(transfers, res) if self.tiers is not None else res
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        return self.hybrid.batch_io_v2(transfers, write=True)
+        res = self.hybrid.batch_io_v2(transfers, write=True)
+        if self.tiers is None:
+            return res
+        return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)
+
+    def promote_v2(self, transfers: List[PoolTransfer]) -> int:
+        """Store v2 pages the second tier just loaded; the number of pages the pool took."""
+        res = self.hybrid.batch_io_v2(self.hybrid.written_by_this_rank(transfers), write=True)
+        return sum(sum(r) for r in res.values())
 
     def _account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
         ok = sum(res)
@@ -334,7 +386,9 @@ class MaruStorage(HiCacheStorage):
         logger.info("maru: cleared namespace %s", self.keyspace.base)
 
     def close(self) -> None:
-        """Detach from the pool (the pool and other instances' pages stay)."""
+        """Detach from the pool (the pool and other instances' pages stay) and from the second tier."""
+        if self.tier2 is not None:
+            self.tier2.close()
         store, self.store = self.store, None
         if store is not None:
             store.close()
@@ -367,5 +421,7 @@ class MaruStorage(HiCacheStorage):
         mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
                      "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes,
                      "pools": self.hybrid.stats()})
+        if self.tier2 is not None:
+            mine["tier2"] = self.tier2.stats()
         m.maru = mine
         return m

@@ -104,6 +104,16 @@ class KeySpace:
         self._cache = (now, prefix)
         return prefix
 
+    def tier_tag(self, pool_tags=()) -> str:
+        """The second tier's namespace: a digest of the base and the extra pools' namespaces, not the nonce.
+
+        clear() stays local (it never empties the shared tier), so the tag must not change with it.
+        """
+        if self.base is None:
+            raise RuntimeError("MaruStorage used before register_mem_pool_host()")
+        blob = "\n".join([self.base, *pool_tags]).encode()
+        return "maru-" + hashlib.sha256(blob).hexdigest()[:20]
+
     def digests(self, keys):
         """Store digests of this namespace's keys, (n, 16) uint8: the fast path for SGLang's SHA-256 page hashes."""
         return prefixed_digests(self.prefix(), keys)

@@ -11,4 +11,6 @@ command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux
 if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || [ ! -e /usr/include/openssl/sha.h ]; then
     apt-get update -qq && apt-get install -y -qq g++ ninja-build libssl-dev
 fi
+# tests/maru_sglang/test_tier2.py runs a real Mooncake Store (maru_tier2), whose wheel links libibverbs.so.1
+ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 exec .venv/bin/python -m pytest -n 4 "$@"
