@@ -218,3 +218,51 @@ def test_bad_tier2_settings_are_refused_by_name(value, match):
 def test_the_tier_needs_zero_copy_io(pools):
     with pytest.raises(ValueError, match="interface_v1"):
         hh.make_instance(pools("A"), v1=False, maru={"maru_tier2": {"master_server_address": "127.0.0.1:9"}})
+
+
+def test_a_hybrid_models_mamba_state_travels_through_the_tier_pool_by_pool(cluster, pools):
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    trail = PoolHitPolicy.TRAILING_PAGES
+    n, made = 4, []
+
+    def node(tag, seed):
+        anchor = hh.make_mha_host("page_first_direct", page_size=1, pages=2 * n, layer_num=2)
+        mamba = hh.make_mamba_host(2 * n)
+        for i, h in enumerate((anchor, mamba)):
+            hh.fill_random_pages(h, n, seed=seed + i)
+        m = hh.create_hybrid_maru(pools(tag), anchor, {"mamba": mamba}, mla=False,
+                                  maru={"maru_tier2": cluster.settings, "maru_tier2_retry_s": 0.2})
+        made.append(m)
+        assert mc.wait_attached(m)
+        return anchor, mamba, m
+
+    def mamba_at(key, slot):
+        return PoolTransfer(name=PoolName.MAMBA, keys=[key], hit_policy=trail, host_indices=torch.tensor([slot]))
+
+    def query():
+        return [PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=trail)]
+
+    try:
+        keys = prompt_keys(n, "qwen3-next")
+        anchor_a, mamba_a, a = node("A", 10)
+        assert a.batch_set_v1(keys, page_indices(anchor_a, 0, n)) == [True] * n
+        assert a.batch_set_v2([mamba_at(keys[-1], 1)]) == {PoolName.MAMBA: [True]}
+        assert a.get_stats().maru["tier2"]["written"] == n + 1
+
+        anchor_b, mamba_b, b = node("B", 20)
+        assert b.hybrid.batch_exists_v2(keys, query()).kv_hit_pages == 0  # nothing in node B's pool
+        hit = b.batch_exists_v2(keys, query())
+        assert (hit.kv_hit_pages, hit.extra_pool_hit_pages, hit.restorable_prefix_pages) == \
+            (n, {PoolName.KV: n, PoolName.MAMBA: n}, [n])
+        assert b.batch_get_v1(keys, page_indices(anchor_b, n, n)) == [True] * n
+        assert b.batch_get_v2([mamba_at(keys[-1], n)]) == {PoolName.MAMBA: [True]}
+        assert hh.pool_page_bytes(mamba_b, torch.tensor([n]), 1) == hh.pool_page_bytes(mamba_a, torch.tensor([1]), 1)
+        assert digests(page_bytes(anchor_b, page_indices(anchor_b, n, n))) == \
+            digests(page_bytes(anchor_a, page_indices(anchor_a, 0, n)))
+        local = b.hybrid.batch_exists_v2(keys, query())  # promoted, pool by pool
+        assert (local.kv_hit_pages, local.restorable_prefix_pages) == (n, [n])
+    finally:
+        for m in made:
+            m.close()
