@@ -270,7 +270,8 @@ class MaruStorage(HiCacheStorage):
         self.tier2 = SecondTier(self.config.tier2, self.config.tier2_retry_s, self.log_once)
         for spec in self.hybrid.pools.values():
             self.tier2.register_v2(spec.host_pool, spec.name)
-        self.tier2.start(self.storage_config, self.mem_pool_host, self.keyspace.tier_tag(self.hybrid.tags()))
+        self.tier2.start(self.storage_config, self.mem_pool_host, self.keyspace.tier_tag(self.hybrid.tags()),
+                         status=(self.config.path, self.config.instance_id, self.config.mode, self.store.slot))
         self.tiers = TwoTiers(self, self.tier2)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,

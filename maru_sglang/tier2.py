@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import socket
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional
+
+from . import tierstatus
 
 logger = logging.getLogger("maru_sglang")
 
@@ -112,13 +116,24 @@ class SecondTier:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._counts: Dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._status: Optional[tuple] = None  # (pool path, file name, mode, identity) for maru-shm inspect
+        self._published: Optional[dict] = None
 
     # ------------------------------------------------------------ life
-    def start(self, storage_config, host_pool, tag: str) -> None:
-        """Begin attaching in the background: storage_config and host_pool as SGLang gave them to MaruStorage."""
+    def start(self, storage_config, host_pool, tag: str, status: Optional[tuple] = None) -> None:
+        """Begin attaching in the background: storage_config and host_pool as SGLang gave them to MaruStorage.
+
+        status: (pool path, instance id, file mode, slot) to publish the tier's figures for maru-shm inspect.
+        """
         if self._thread is not None:
             return
         self.tag = tag
+        if status is not None:
+            path, instance, mode, slot = status
+            self._status = (path, f"{os.getpid()}-{instance}", mode, {"pid": os.getpid(), "instance": instance,
+                                                                        "slot": slot})
+            tierstatus.remove_stale(path)
+            self._publish()
         cfg = copy.copy(storage_config)
         cfg.extra_config = dict(self.settings, extra_backend_tag=tag)
         self._thread = threading.Thread(target=self._run, args=(cfg, host_pool), name="maru-tier2", daemon=True)
@@ -143,6 +158,22 @@ class SecondTier:
         with self._lock:
             self.state = CLOSED
             self._client = None
+        if self._status is not None:
+            tierstatus.remove_status(self._status[0], self._status[1])
+
+    def _publish(self) -> None:
+        """Rewrite this tier's status file when its figures changed (never raises)."""
+        if self._status is None or self._stop.is_set():
+            return
+        now = self.stats()
+        if now == self._published:
+            return
+        path, name, mode, ident = self._status
+        try:
+            tierstatus.write_status(path, name, dict(now, **ident, updated_ns=time.time_ns()), mode)
+            self._published = now
+        except OSError as e:  # a full tmpfs or a removed directory costs the status, nothing else
+            self._log_once("tier2: writing the status file for maru-shm inspect", e)
 
     def _run(self, cfg, host_pool) -> None:
         while not self._stop.is_set():
@@ -151,6 +182,7 @@ class SecondTier:
                     self._build(cfg, host_pool)
                 else:
                     self._probe()
+            self._publish()
             self._stop.wait(self.retry_s)
 
     def _master_answers(self) -> bool:

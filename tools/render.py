@@ -174,6 +174,16 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
                                      "misses", "evictions"], rows, align="rrrllrrrrr", empty="none attached",
                        row_styles=styles))
 
+    tiers = rep.get("tier2") or []
+    if tiers:
+        rows = [[str(t.get("slot")), str(t.get("pid")), str(t.get("state")), str(t.get("master")),
+                 count(t.get("hits", 0)), count(t.get("misses", 0)), count(t.get("promoted", 0)),
+                 count(t.get("written", 0)), count(t.get("write_failed", 0)), count(t.get("offline_writes", 0)),
+                 count(t.get("detaches", 0))] for t in tiers]
+        out.append(Section("Second tier (Mooncake Store)", ["slot", "pid", "state", "master", "hits", "misses",
+                                                            "promoted", "written", "write failed", "offline writes",
+                                                            "detaches"], rows, align="rrlll"))
+
     rp = rep["repair"]
     pairs = [("shards needing repair", ", ".join(map(str, rp["shards"])) or "none"),
              ("classes needing repair", ", ".join(map(str, rp["classes"])) or "none"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import time
 
 import pytest
@@ -47,6 +48,7 @@ def pools():
     for p in made:
         if os.path.exists(p):
             os.unlink(p)
+        shutil.rmtree(p + ".tier2", ignore_errors=True)
 
 
 @pytest.fixture
@@ -266,3 +268,32 @@ def test_a_hybrid_models_mamba_state_travels_through_the_tier_pool_by_pool(clust
     finally:
         for m in made:
             m.close()
+
+
+def test_maru_shm_inspect_shows_each_processs_second_tier(cluster, tiered, pools):
+    import json
+    import subprocess
+    import sys
+
+    from maru_sglang.tierstatus import status_dir
+
+    n = 5
+    keys, want, a = _write_node_a(tiered, pools, cluster, n, "inspect")
+    cli = [os.path.join(os.path.dirname(sys.executable), "maru-shm")]
+    deadline, row = time.monotonic() + 30, None
+    while time.monotonic() < deadline:
+        rep = json.loads(subprocess.run(cli + ["inspect", "--json", a.config.path], capture_output=True, text=True,
+                                        check=True).stdout)
+        row = next((t for t in rep["tier2"] if t["pid"] == os.getpid()), None)
+        if row is not None and row["written"] == n:
+            break
+        time.sleep(0.1)
+    assert row is not None and row["written"] == n, rep["tier2"]
+    assert row["state"] == "attached" and row["slot"] == a.store.slot and row["master"].endswith(f":{cluster.port}")
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "CLI.md")).read()
+    assert not [k for k in row if f"| `tier2[].{k}` |" not in doc]  # every key documented
+    text = subprocess.run(cli + ["inspect", a.config.path], capture_output=True, text=True, check=True).stdout
+    assert "Second tier (Mooncake Store)" in text and "attached" in text
+
+    a.close()  # its status file goes with it
+    assert not os.path.exists(status_dir(a.config.path))  # the last one out removes the directory
