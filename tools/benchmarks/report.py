@@ -66,6 +66,8 @@ def render(results: list[dict]) -> str:
             lines.append(f"hybrid    payload still usable as hits (whole restorable prefixes) / file: "
                          f"{r['usable_final']:.4f} vs fixed slots {r['fixed_slots_usable']:.4f}, power-of-two classes "
                          f"{r['pow2_classes_usable']:.4f} (FIFO)")
+        elif r["scenario"] == "tier2":
+            lines += render_tier2(r)
         elif r["scenario"] == "eviction":
             lines += render_eviction(r)
         elif r["scenario"] == "scaling":
@@ -91,6 +93,18 @@ def _render_threads(row: dict) -> list[str]:
             f"one-thread limit {b['memmove_' + op]['gbps']:.2f}; HiCacheFile {b['file_' + op]['pages_per_s']:,.0f} "
             f"pages/s -> x{b[op + '_vs_file']:.1f}")
     return out
+
+
+def render_tier2(r: dict) -> list[str]:
+    if r.get("skipped"):
+        return [f"tier2     skipped: {r['skipped']}"]
+    g = {k: r[k]["pages_per_s"] for k in ("tier_get", "local_get", "file_get", "tier_set", "local_set")}
+    return [f"tier2     {format_size(r['page_bytes'])} pages x{r['batch']}, batch_get_v1: second-tier hit "
+            f"({r['transport']}, promotion included) {g['tier_get']:,.0f} pages/s, local pool hit "
+            f"{g['local_get']:,.0f} pages/s (x{1 / r['tier_vs_local']:.1f} the tier), HiCacheFile "
+            f"{g['file_get']:,.0f} pages/s (tier x{r['tier_vs_file']:.2f}, local x{r['local_vs_file']:.1f})",
+            f"tier2     batch_set_v1 with write-through {g['tier_set']:,.0f} pages/s vs the pool alone "
+            f"{g['local_set']:,.0f} pages/s (x{1 / r['write_through_cost']:.2f})"]
 
 
 def render_eviction(r: dict) -> list[str]:

@@ -18,6 +18,10 @@ Scenarios (all by default; pick with --only):
   scaling   1, 2, 4, 8 processes on one pool, 50/50 get/put of 128 KiB
             values: aggregate ops/s, p50/p99 latency, lock time, vs the same
             processes doing plain 128 KiB copies into/out of a shared mapping.
+  tier2     two pool files as two nodes behind a real Mooncake Store on
+            loopback: pages/s of a second-tier hit (with promotion), a local
+            pool hit and HiCacheFile; write-through vs the pool alone. Skipped
+            with the reason where mooncake cannot be imported.
 The machine is shared and noisy: timed figures are the median of --repeat
 runs, with the spread (min-max) printed next to them. While it runs, a
 progress line goes to stderr when stderr is a terminal (never with --json).
@@ -34,7 +38,7 @@ import os
 import sys
 import time
 
-from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, scaling
+from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, scaling, tier2
 from .registry import SCENARIOS, Progress
 from .report import render
 
