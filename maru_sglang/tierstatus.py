@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from typing import Iterable
 
 
@@ -60,13 +61,46 @@ def read_statuses(pool_path: str, live_pids: Iterable[int]) -> list[dict]:
         if not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            with open(os.path.join(status_dir(pool_path), name)) as f:
-                st = json.load(f)
+            st = json.loads(_read_small(os.path.join(status_dir(pool_path), name)))
         except (OSError, ValueError):
             continue
-        if isinstance(st, dict) and st.get("pid") in live:
+        st = _checked(st)
+        if st is not None and st["pid"] in live:
             out.append(st)
     return sorted(out, key=lambda s: (s.get("pid", 0), str(s.get("instance", ""))))
+
+
+_TEXT = ("state", "master", "tag", "instance")
+MAX_STATUS_BYTES = 64 << 10
+
+
+def _read_small(path: str) -> bytes:
+    """A regular file's bytes, never following a link and never blocking on a FIFO or device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATUS_BYTES:
+            raise ValueError("not a status file")
+        return os.read(fd, MAX_STATUS_BYTES)
+    finally:
+        os.close(fd)
+
+
+def _checked(st) -> dict | None:
+    """A status as written by write_status, or None: anyone who can write the directory can plant a file."""
+    if not isinstance(st, dict):
+        return None
+    out = {}
+    for k, v in st.items():
+        if k in _TEXT:
+            out[k] = str(v)[:200]
+        elif isinstance(v, int) and not isinstance(v, bool):
+            out[k] = v
+        elif v is None and k == "tag":
+            out[k] = None
+        else:
+            return None
+    return out if isinstance(out.get("pid"), int) else None
 
 
 def remove_stale(pool_path: str) -> None:

@@ -78,7 +78,11 @@ class TwoTiers:
     def _count_writes(self, put: List[bool]) -> None:
         ok = sum(bool(x) for x in put)
         self.tier.count("written", ok)
-        self.tier.count("write_failed", len(put) - ok)
+        if ok < len(put):
+            self.tier.count("write_failed", len(put) - ok)
+            self.storage.log_once("tier2: write-through", RuntimeError(
+                "Mooncake did not take some pages (full segments, or a transfer error); they stay in the pool "
+                "only. Counted in get_stats().maru['tier2']['write_failed']"))
 
     # ------------------------------------------------------------ v2 (hybrid models)
     def exists_v2(self, keys: List[str], transfers, local: PoolTransferResult) -> PoolTransferResult:
