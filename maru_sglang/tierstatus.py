@@ -8,7 +8,7 @@ and removes it on close. The file is written to a temporary name and renamed, so
 of it. A file whose pid no longer attaches to the pool is stale: readers skip it, and the next tiered
 process on the pool removes those whose process is gone.
 
-Stdlib only: the command line reads these files without importing SGLang.
+The stdlib and maru_shm only: the command line reads these files without importing SGLang.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ import shutil
 import stat
 from typing import Iterable
 
+from maru_shm import is_device
+
 
 def status_dir(pool_path: str) -> str:
+    """Beside the pool file; for a device (nothing can be created in /dev), in /dev/shm beside its lock file."""
+    if is_device(pool_path):
+        return f"/dev/shm/.maru_shm-{os.path.basename(pool_path)}.tier2"
     return f"{pool_path}.tier2"
 
 
