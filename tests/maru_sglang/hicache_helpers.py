@@ -159,6 +159,24 @@ def page_indices(host, first_page: int, n_pages: int):
     return torch.arange(first_page * ps, (first_page + n_pages) * ps, dtype=torch.int64)
 
 
+def in_child(target, *args, timeout: float = 300):
+    """Run target(*args, q) in a spawned process; (what it put on q, its exit code). It must put one dict."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=target, args=(*args, q), daemon=True)
+    child.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return got, child.exitcode
+
+
 # --------------------------------------------------------------------------- the second process of the P2P test
 def p2p_reader(pool: str, plan: dict, q) -> None:
     """Process 2: its own host pools and backends on the same pool file; reports what it saw through q."""

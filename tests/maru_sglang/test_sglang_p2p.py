@@ -6,7 +6,6 @@ models, dtypes, layouts) the CPU stack of test_sglang_controller.py does not var
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -45,20 +44,10 @@ def test_two_processes_share_pages_and_strangers_see_none(make_instance, pool_pa
     fresh = prompt_keys(4, "p2p-nonwriter")
 
     # process 2: spawned, builds its own host pools and backends
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     plan = {"mha_keys": keys, "mla_keys": mkeys, "nonwriter_keys": fresh}
-    child = ctx.Process(target=hh.p2p_reader, args=(pool_path, plan, q), daemon=True)
-    child.start()
-    try:
-        got = q.get(timeout=300)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-            child.join()
+    got, exitcode = hh.in_child(hh.p2p_reader, pool_path, plan)
     assert "error" not in got, got["error"]
-    assert got["pid"] != os.getpid() and child.exitcode == 0
+    assert got["pid"] != os.getpid() and exitcode == 0
 
     # process 2 found the whole prompt and loaded byte-identical pages into other host slots
     assert got["mha_exists"] == n

@@ -8,7 +8,6 @@ Skipped, with the reason, where the engine cannot be installed (scripts/test.sh 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import time
@@ -67,16 +66,7 @@ def tiered(pools):
 
 
 def _in_child(pool, settings, keys, expect_tier):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    child = ctx.Process(target=mc.node_reader, args=(pool, settings, keys, expect_tier, q), daemon=True)
-    child.start()
-    try:
-        got = q.get(timeout=240)
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
+    got, _ = hh.in_child(mc.node_reader, pool, settings, keys, expect_tier, timeout=240)
     assert "error" not in got, got["error"]
     return got
 
