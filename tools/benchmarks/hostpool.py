@@ -44,6 +44,12 @@ def _storage_config(extra: dict | None):
                                 model_name="meta-llama/Llama-3.1-8B-Instruct", extra_config=extra)
 
 
+def maru_extra(path: str, size, **maru) -> dict:
+    """The extra config that makes SGLang's dynamic factory load MaruStorage on `path`, zero-copy."""
+    return {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
+            "interface_v1": 1, "maru_path": path, "maru_pool_size": size, **maru}
+
+
 def _host_pool(page_size: int, pages: int):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -197,8 +203,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
         os.unlink(pool)
     # room for every round's pages without eviction: two backends, idle and busy, and slack
     pool_bytes = max(1 << 30, 5 * (repeat + 1) * BATCH * page_bytes)
-    extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-             "interface_v1": 1, "maru_path": pool, "maru_pool_size": pool_bytes}
+    extra = maru_extra(pool, pool_bytes)
     maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
     maru.register_mem_pool_host(host)
     # the same pool through a second backend that copies on the calling thread alone (maru_copy_threads=1)
@@ -343,13 +348,8 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
     pool = pool or f"/dev/shm/maru-bench-lookup-{os.getpid()}"
     if os.path.exists(pool):
         os.unlink(pool)
-    extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-             "interface_v1": 1, "maru_path": pool, "maru_pool_size": "256M"}
-    maru = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
+    maru = StorageBackendFactory.create_backend("dynamic", _storage_config(maru_extra(pool, "256M")), host)
     maru.register_mem_pool_host(host)
-    # the same pool through a second backend that copies on the calling thread alone (maru_copy_threads=1)
-    one = StorageBackendFactory.create_backend("dynamic", _storage_config(dict(extra, maru_copy_threads=1)), host)
-    one.register_mem_pool_host(host)
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
     keys = _page_keys("lookup", BATCH)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 
+from .hostpool import maru_extra
 from .registry import figure, scenario
 
 PAGE = 256  # tokens per FULL page (DeepSeek-V4 serves with page_size 256)
@@ -105,8 +106,7 @@ def hybrid(pool_size: int, seed: int = 7, path: str | None = None) -> dict:
         _fill(host, HOST_PAGES if name != "swa" else 2, rnd)
 
     path = path or os.path.join("/dev/shm", f"maru-bench-{os.getpid()}-hybrid")
-    extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-             "interface_v1": 1, "maru_path": path, "maru_pool_size": int(pool_size), "maru_eager_map": False}
+    extra = maru_extra(path, int(pool_size), maru_eager_map=False)
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name="deepseek-ai/DeepSeek-V4-like", extra_config=extra)

@@ -43,7 +43,7 @@ from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
-SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, scaling)
+SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, scaling, tier2)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

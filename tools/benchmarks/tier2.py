@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 
-from .hostpool import BATCH, _host_pool, _median, _page_keys, _storage_config
+from .hostpool import BATCH, _host_pool, _median, _page_keys, _storage_config, maru_extra
 from .registry import figure, progress_of, scenario
 
 NAME = "tier2"
@@ -73,10 +73,8 @@ def tier2_reads(repeat: int, progress=lambda frac, note="": None) -> dict:
 
         def node(tag, tier=True):
             host = _host_pool(1, 2 * BATCH)
-            extra = {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
-                     "interface_v1": 1, "maru_path": os.path.join(work, tag), "maru_pool_size": 1 << 30}
-            if tier:
-                extra.update(maru_tier2=cluster.settings, maru_tier2_retry_s=0.2)
+            tiered = {"maru_tier2": cluster.settings, "maru_tier2_retry_s": 0.2} if tier else {}
+            extra = maru_extra(os.path.join(work, tag), 1 << 30, **tiered)
             b = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), host)
             b.register_mem_pool_host(host)
             b.on_host_pools_registered()
