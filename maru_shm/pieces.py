@@ -69,15 +69,6 @@ class PieceTable:
         sel = np.flatnonzero(per >= 0)
         return per[sel] + self.within[sel], self.addrs[sel], self.sizes[sel]
 
-    def scatter(self, rows, bases):
-        """(destination, source, nbytes) lists, for copying values `rows` into memory at `bases` (one each)."""
-        return tuple(a.tolist() for a in self.into(rows, bases))
-
-    def gather(self, rows, bases):
-        """(destination, source, nbytes) lists, for copying values `rows` out of memory at `bases`."""
-        dst, src, nb = self.scatter(rows, bases)
-        return src, dst, nb
-
 
 def _check_table(a: np.ndarray) -> None:
     """Rows of [address, nbytes]: a size is never negative, and a piece of any size has an address."""

@@ -117,8 +117,8 @@ class ReadPath:
         rows = np.flatnonzero(ok)
         if rows.size:
             offs = res.offsets[rows]
-            dst, src, nb = table.into(rows, att.data + offs)
-            self.engine.run(src, dst, nb)
+            pool_at, host_at, nb = table.into(rows, att.data + offs)  # the pieces' places in the pool
+            self.engine.run(host_at, pool_at, nb)
             gidx = offs >> granule_shift(att.geo)
             still = att.alloc.meta_words[gidx] == res.words[rows]
             ok[rows] = still
