@@ -128,12 +128,17 @@ def _tier2_settings(value) -> dict:
             raise ValueError(f"maru_tier2: not a JSON object: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"maru_tier2: expected an object of mooncake settings, got {value!r}")
-    addr = value.get("master_server_address")
-    host, _, port = str(addr or "").rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"maru_tier2: master_server_address must be host:port, got {addr!r}")
+    master_address(value.get("master_server_address"))
     if "extra_backend_tag" in value:
         raise ValueError("maru_tier2: extra_backend_tag is set by maru (the pool's namespace); remove it")
     if value.get("standalone_storage"):
         raise ValueError("maru_tier2: standalone_storage needs Mooncake's own host allocator; not supported")
     return dict(value)
+
+
+def master_address(addr) -> tuple[str, int]:
+    """(host, port) of a Mooncake master_server_address "host:port" ("[v6]:port" too); ValueError otherwise."""
+    host, _, port = str(addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"maru_tier2: master_server_address must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)

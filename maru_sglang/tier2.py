@@ -31,6 +31,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from . import tierstatus
+from .config import master_address
 
 logger = logging.getLogger("maru_sglang")
 
@@ -105,8 +106,7 @@ class SecondTier:
     def __init__(self, settings: dict, retry_s: float, log_once: Callable[[str, BaseException], None]):
         self.settings = dict(settings)
         self.retry_s = float(retry_s)
-        host, _, port = str(settings["master_server_address"]).rpartition(":")
-        self.master = (host.strip("[]"), int(port))
+        self.master = master_address(settings["master_server_address"])
         self._log_once = log_once
         self.state = WAITING
         self.tag: Optional[str] = None
@@ -217,15 +217,17 @@ class SecondTier:
 
     def _probe(self) -> None:
         try:
-            codes = self._client.store._store.batch_is_exist([PROBE_KEY])
+            codes = self._client.store.batch_is_exist([PROBE_KEY])  # watched: a failure while DOWN changes nothing
         except Exception:
             return
-        if RPC_FAIL not in list(codes):
-            with self._lock:
-                if self.state == DOWN:
-                    self.state = ATTACHED
-                    self._counts["attaches"] += 1
-            logger.info("maru: second tier attached again: Mooncake master %s:%d answers", *self.master)
+        if RPC_FAIL in codes:
+            return
+        with self._lock:
+            if self.state != DOWN:
+                return
+            self.state = ATTACHED
+            self._counts["attaches"] += 1
+        logger.info("maru: second tier attached again: Mooncake master %s:%d answers", *self.master)
 
     def went_down(self, why: str) -> None:
         with self._lock:

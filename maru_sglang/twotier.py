@@ -54,18 +54,21 @@ class TwoTiers:
             return res
         sub, idx = [keys[i] for i in miss], _rows(host_indices, len(keys), miss)
         got = self.tier.call("batch_get_v1", lambda c: c.batch_get_v1(sub, idx), [False] * len(sub))
-        arrived = [j for j, ok in enumerate(got) if ok]
-        self.tier.count("hits", len(arrived))
-        self.tier.count("misses", len(sub) - len(arrived))
-        if not arrived:
-            return res
-        out = list(res)
-        for j in arrived:
-            out[miss[j]] = True
-        if self.storage.is_writer:
+        out, arrived = self._take(res, miss, got)
+        if arrived and self.storage.is_writer:
             written = self.storage.promote_v1([sub[j] for j in arrived], _rows(idx, len(sub), arrived))
             self.tier.count("promoted", written)
         return out
+
+    def _take(self, res: List[bool], miss: List[int], got) -> tuple:
+        """(res with what the tier loaded marked True, the positions in the ask that it loaded); counted."""
+        arrived = [j for j, ok in enumerate(got) if ok]
+        self.tier.count("hits", len(arrived))
+        self.tier.count("misses", len(miss) - len(arrived))
+        out = list(res)
+        for j in arrived:
+            out[miss[j]] = True
+        return out, arrived
 
     def write_through(self, keys: List[str], host_indices, res: List[bool]) -> List[bool]:
         if not self.tier.attached:
@@ -115,13 +118,7 @@ class TwoTiers:
         got = self.tier.call("batch_get_v2", lambda c: c.batch_get_v2(asks), {})
         back = []
         for ask in asks:
-            ok = [j for j, x in enumerate(got.get(ask.name, [])) if x]
-            self.tier.count("hits", len(ok))
-            self.tier.count("misses", len(ask.keys) - len(ok))
-            merged = list(results[ask.name])
-            for j in ok:
-                merged[where[ask.name][j]] = True
-            results[ask.name] = merged
+            results[ask.name], ok = self._take(results[ask.name], where[ask.name], got.get(ask.name, []))
             if ok:
                 back.append(dataclasses.replace(ask, keys=[ask.keys[j] for j in ok],
                                                 host_indices=_rows(ask.host_indices, len(ask.keys), ok)))
