@@ -27,9 +27,11 @@ RETIRED_OFF = 272
 DEMAND_EPOCH_OFF = 400  # u32: demand epoch (hint, no lock): class demand counters halve once per epoch
 DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no lock)
 FREE_FLOOR_OFF = 416    # u32: no unit below it is FREE (hint, POOL lock): where the search for free units starts
+DOOM_CURSOR_OFF = 420   # u32: next doom ring entry to write (hint, no lock; section 6a)
 STATE_READY = 2
 
 FLAG_DEVICE = 1
+FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
 
 # --- locks ---------------------------------------------------------------
 LOCK_BASE = 1 << 40
@@ -84,6 +86,11 @@ META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF =
 FLAG_PINNED = 1  # meta flags: eviction and slab moves leave this lifetime alone (Store.pin)
 FREE, RESERVED, LIVE = 0, 1, 2
 
+# --- relation records and the doom ring (section 6a) -----------------------
+RELATION_SIZE = 16  # group u32, parent u32, depth u16 (bit 15: trailing), branch u16, tag u16, born u16
+DOOM_SIZE = 8       # group u32, from u16, seq u16
+DOOM_ENTRIES = 4096
+
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
 U16 = struct.Struct("<H")
@@ -129,9 +136,10 @@ def _geometric_count(granule: int, max_value: int) -> int:
 
 
 def _region_layout(proc_slots: int, n_units: int, index_shards: int, shard_slots: int, n_granules: int,
-                   data_align: int) -> tuple:
+                   data_align: int, relations: bool) -> tuple:
     """The one home of the region layout (section 1): offsets of locks, classes, process table, slab table,
-    shard headers, index, block metas and data, each region page-aligned, the data `data_align`-aligned."""
+    shard headers, index, block metas and data, each region page-aligned, the data `data_align`-aligned.
+    With `relations` the relation records and the doom ring sit between the block metas and the data."""
     page = 4096
     off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
     off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
@@ -139,8 +147,21 @@ def _region_layout(proc_slots: int, n_units: int, index_shards: int, shard_slots
     off_shards = _align(off_slabs + n_units * SLAB_ENTRY, page)
     off_index = _align(off_shards + index_shards * SHARD_HEADER, page)
     off_meta = _align(off_index + index_shards * shard_slots * ENTRY_SIZE, page)
-    off_data = _align(off_meta + n_granules * META_SIZE, data_align)
+    end = off_meta + n_granules * META_SIZE
+    if relations:  # relation records, then the doom ring (section 6a), both page-aligned
+        end = _relations_end(off_meta, n_granules)
+    off_data = _align(end, data_align)
     return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
+
+
+def _relations_offsets(off_meta: int, n_granules: int) -> tuple[int, int]:
+    """(off_relations, off_dooms) of a pool with FLAG_RELATIONS: right after the block metas."""
+    off_rel = _align(off_meta + n_granules * META_SIZE, 4096)
+    return off_rel, _align(off_rel + n_granules * RELATION_SIZE, 4096)
+
+
+def _relations_end(off_meta: int, n_granules: int) -> int:
+    return _relations_offsets(off_meta, n_granules)[1] + DOOM_ENTRIES * DOOM_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +196,19 @@ class Geometry:
     def index_slots(self) -> int:
         return self.index_shards * self.shard_slots
 
+    @property
+    def has_relations(self) -> bool:
+        """Does the pool carry relation records and a doom ring (section 6a)? Pools made before them do not."""
+        return bool(self.flags & FLAG_RELATIONS)
+
+    @property
+    def off_relations(self) -> int:
+        return _relations_offsets(self.off_blockmeta, self.n_granules)[0] if self.has_relations else 0
+
+    @property
+    def off_dooms(self) -> int:
+        return _relations_offsets(self.off_blockmeta, self.n_granules)[1] if self.has_relations else 0
+
     def meta_of(self, offset: int) -> int:
         """File offset of the block meta of the granule holding data offset `offset`."""
         return self.off_blockmeta + (offset // self.granule) * META_SIZE
@@ -199,7 +233,7 @@ class Geometry:
     def plan(file_size: int, *, granule: int = 4096, unit_size: int = 256 << 10,
              max_value: int = 64 << 20, index_slots: int | None = None,
              index_shards: int = 64, proc_slots: int = 128, data_align: int | None = None,
-             flags: int = 0, n_geo_classes: int | None = None) -> "Geometry":
+             flags: int = FLAG_RELATIONS, n_geo_classes: int | None = None) -> "Geometry":
         """Lay out a pool of `file_size` bytes; raise ValueError if it cannot hold one unit."""
         if not _is_pow2(granule) or granule < 512:
             raise ValueError(f"granule must be a power of two >= 512, got {granule}")
@@ -221,7 +255,8 @@ class Geometry:
         def layout(n_units: int, slots: int):
             shard_slots = max(16, slots // index_shards)
             n_granules = n_units * unit_size // granule
-            offs = _region_layout(proc_slots, n_units, index_shards, shard_slots, n_granules, data_align)
+            offs = _region_layout(proc_slots, n_units, index_shards, shard_slots, n_granules, data_align,
+                                  bool(flags & FLAG_RELATIONS))
             return shard_slots, offs[4], offs[5], offs[6], n_granules, offs[7]
 
         def slots_for(n_units: int) -> int:
@@ -236,7 +271,7 @@ class Geometry:
 
         # Largest n_units whose layout fits: the per-unit cost bounds it from above, and fits() is monotone,
         # so a binary search finds it in O(log n) layouts whatever the size.
-        per_unit = unit_size + SLAB_ENTRY + unit_size // granule * META_SIZE
+        per_unit = unit_size + SLAB_ENTRY + unit_size // granule * (META_SIZE + RELATION_SIZE * bool(flags & FLAG_RELATIONS))
         lo, hi = 0, max(0, file_size // per_unit)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -252,7 +287,7 @@ class Geometry:
             n_geo_classes = len(geometric_sizes(granule, max_value))
         shard_slots, off_shards, off_index, off_meta, n_granules, off_data = layout(n_units, slots_for(n_units))
         off_locks, off_classes, off_procs, off_slabs = _region_layout(
-            proc_slots, n_units, index_shards, shard_slots, n_granules, data_align)[:4]
+            proc_slots, n_units, index_shards, shard_slots, n_granules, data_align, bool(flags & FLAG_RELATIONS))[:4]
         return Geometry(
             file_size=file_size, granule=granule, unit_size=unit_size, n_units=n_units,
             n_geo_classes=n_geo_classes, class_cap=CLASS_CAP, proc_slots=proc_slots,
@@ -307,7 +342,7 @@ class Geometry:
         """Where plan() puts the regions for these counts (data aligned to data_align: the unit, or 2 MiB on
         DAX). A header re-signed with a valid checksum cannot move a region without changing a count."""
         return _region_layout(self.proc_slots, self.n_units, self.index_shards, self.shard_slots, self.n_granules,
-                              data_align)
+                              data_align, self.has_relations)
 
 
     def validate(self) -> None:
@@ -338,8 +373,11 @@ class Geometry:
             (self.off_procs, self.proc_slots * PROC_ENTRY), (self.off_slabs, self.n_units * SLAB_ENTRY),
             (self.off_shards, self.index_shards * SHARD_HEADER),
             (self.off_index, self.index_slots * ENTRY_SIZE),
-            (self.off_blockmeta, self.n_granules * META_SIZE), (self.off_data, self.data_bytes),
+            (self.off_blockmeta, self.n_granules * META_SIZE),
         ]
+        if self.has_relations:
+            order += [(self.off_relations, self.n_granules * RELATION_SIZE), (self.off_dooms, DOOM_ENTRIES * DOOM_SIZE)]
+        order.append((self.off_data, self.data_bytes))
         end = SUPERBLOCK_SIZE
         for off, size in order:
             if off < end:

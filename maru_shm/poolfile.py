@@ -17,7 +17,7 @@ import time
 
 from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
-from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE,
+from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE, FLAG_RELATIONS,
                      Geometry)
 from .locks import ofd_trylock, ofd_unlock
 from .sizeclasses import planned_geometric
@@ -290,7 +290,7 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
                             "pool whose creator died while formatting it is formatted)")
     if is_device:
         file_size = actual
-        plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE)
+        plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE | FLAG_RELATIONS)
     else:
         if size is None:
             raise StoreError(f"creating {path} needs a size (e.g. size='4G')")

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .allocator import Allocator
+from .allocator.relations import RELATION_DTYPE
 from .attachment import Attachment
 from .check import check_store
 from .copyengine import CopyEngine, check_threads
@@ -405,6 +406,33 @@ class Store:
         return leading_present(self.att, darr, length)
 
     @_entry
+    def touch(self, digests) -> int:
+        """Mark the values of these digests as used (the CLOCKs' ref bits), as a hit would, without copying:
+        a caller whose reads start mid-chain keeps the chain's head alive with it. The number present."""
+        r = resolve(self.att, digest_array(digests), full=False)
+        offs = r.offsets[r.ok].astype(np.int64)
+        if len(offs):
+            alloc, geo = self.att.alloc, self.geo
+            alloc.meta_refs[offs >> (geo.granule.bit_length() - 1)] = 1
+            alloc.unit_refs[offs // geo.unit_size] = 1
+        return len(offs)
+
+    @_entry
+    def relation_of(self, digest: bytes) -> tuple[int, int] | None:
+        """(segment group, position) of the value under `digest` (FORMAT.md section 6a); None if absent,
+        (0, 0) if it was stored without a relation record."""
+        r = resolve(self.att, digest_array([digest]), full=False)
+        if not r.ok[0]:
+            return None
+        return self.att.alloc.relations.record_of(int(r.offsets[0]), int(r.words[0]))
+
+    @_entry
+    def doom_segment(self, group: int) -> None:
+        """Values of this segment (relations' group) stored so far can no longer be a hit: eviction takes
+        them first. A writer whose new segment's parent is already gone says so after storing it."""
+        self.att.alloc.relations.push(group)
+
+    @_entry
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
         hit = self.reader.lookup(key_digest(key) if digest is None else bytes(digest))
@@ -439,7 +467,8 @@ class Store:
 
     @_entry
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
-                         skip_existing: bool = False, *, digests=None, assume_absent: bool = False) -> list[bool]:
+                         skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
+                         relations=None) -> list[bool]:
         """Store many values; per key True once committed and visible (or already present with skip_existing).
 
         With skip_existing the check is atomic: a key that another process
@@ -448,11 +477,15 @@ class Store:
         the keys are almost surely new: a present key is then still kept, by the check under its shard
         lock at publication, at the cost of one wasted copy.
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
+        `relations` (from `maru_shm.chain_relations`, one record per key) says how the values relate, so eviction keeps
+        what can still be a hit (FORMAT.md section 6a); a value stored without one is evicted by the plain CLOCK.
         """
         darr = _digest_batch(keys, digests)
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
-        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent)
+        if relations is not None and (getattr(relations, "dtype", None) != RELATION_DTYPE or len(relations) != len(darr)):
+            raise ValueError("relations must be maru_shm.chain_relations(...) records, one per key")
+        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, relations)
         self.flush_counters()
         return out
 

@@ -16,7 +16,7 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import StoreError
-from .format import META_OWNER_OFF, U16, U64
+from .format import LIVE, META_OWNER_OFF, U16, U64
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
 from .resolve import resolve
@@ -27,10 +27,11 @@ class WritePath:
         self.att, self.engine, self.procs, self.counters, self.publisher = att, engine, procs, counters, publisher
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
-    def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool) -> list[bool]:
+    def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool,
+                  relations=None) -> list[bool]:
         held: dict[int, int] = {}
         try:
-            return self._put(darr, pieces_list, skip_existing, assume_absent, held)
+            return self._put(darr, pieces_list, skip_existing, assume_absent, held, relations)
         except BaseException:
             self.settle(held)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
             raise
@@ -48,7 +49,7 @@ class WritePath:
         except StoreError:
             pass  # still owned by this slot: close() or a reaper settles them
 
-    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, held: dict) -> list[bool]:
+    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, held: dict, relations) -> list[bool]:
         n = len(darr)
         small = n <= SMALL_BATCH
         if small and isinstance(pieces_list, np.ndarray):
@@ -58,11 +59,14 @@ class WritePath:
         res = [False] * n
         present = resolve(self.att, darr, full=False).ok.tolist() if skip_existing and not assume_absent else None
         groups = self._by_class(lengths, present, res, one_class=not small and present is None)
+        dooms = self.att.alloc.relations.cursor() if relations is not None else None
         placed_i, placed_off = self._reserve(groups, darr.view("<u8"), lengths)
+        if dooms is not None and self.att.alloc.relations.cursor() != dooms:
+            self.att.alloc.reclaim_stranded()
         kind = ScalarPut if small else VectorPut
         in_order = len(groups) == 1 and len(placed_i) == n
         batch = kind(self.att, self.engine, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
-        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, held, res)
+        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, held, res, relations)
         if not all(published):
             # still owned by us until freed: a crash here is reaped
             to_free += [(off, w) for off, w, p in zip(placed_off, batch.lives, published) if not p]
@@ -120,11 +124,18 @@ class WritePath:
                 _cp.hit("put.after_alloc")
         return placed_i, placed_off
 
-    def _write(self, batch, skip_existing: bool, held: dict, res: list):
+    def _write(self, batch, skip_existing: bool, held: dict, res: list, relations):
         """Copy, commit and publish the placed blocks: (published flags, to free, evictions, evicted bytes)."""
         if not len(batch):
             return [], [], 0, 0
-        held.update(zip(batch.placed_off, batch.reserved()))
+        reserved = batch.reserved()
+        held.update(zip(batch.placed_off, reserved))
+        if relations is not None:
+            words = np.asarray(reserved, dtype=np.uint64)
+            lives = (((words >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(LIVE)
+            self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
+            if _cp.ARMED is not None:
+                _cp.hit("put.after_relations")
         batch.copy()
         held.update(zip(batch.placed_off, batch.commit()))
         if _cp.ARMED is not None:

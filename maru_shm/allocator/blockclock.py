@@ -3,6 +3,10 @@
 The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit, blocks by
 index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is cleared as the hand
 passes. RESERVED, FREE, owned and pinned blocks are skipped.
+
+Where the blocks under the hand carry relation records (relations.py), the choice within each chunk the
+hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones deepest first,
+so a chain loses its tail before its head; each victim's segment is then doomed for the other classes.
 """
 
 from __future__ import annotations
@@ -13,16 +17,25 @@ from .. import crashpoints as _cp
 from ..format import CLS_HAND, LIVE, U64
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
+from .relations import DEPTH_MAX, Relations
 from .release import BlockRelease
 from .slabtable import SlabTable
 
 
-class BlockClock:
-    def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease):
-        self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
+# Blocks: a class up to this size is searched whole for stranded values before a slab move or a CLOCK victim
+# (8192 blocks of 128 KiB pages: a 1 GiB class; one search gathers 64 bytes a block). A larger class finds its
+# stranded values near its hand only.
+STRANDED_SCAN = 8192
 
-    def evict_blocks(self, info: ClassInfo, m: int) -> int:
+
+class BlockClock:
+    def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
+        self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
+        self.relations = relations
+
+    def evict_blocks(self, info: ClassInfo, m: int, stranded_only: bool = False) -> int:
         """CLASS[c] held: evict up to m blocks of the class chosen by its block CLOCK; returns blocks freed.
+        stranded_only: only values a doom has stranded, searched over the whole class (relations.py).
 
         The victims are unpublished in one round of their shard locks (CLASS -> SHARD is the lock order),
         then freed: word bumped first, so a reader that found the entry before it went fails its second
@@ -31,9 +44,11 @@ class BlockClock:
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
-        ring, rows = self._sweep(info, heads, m)
+        ring, rows, related = self._sweep(info, heads, m, stranded_only)
         if not len(ring):
             return 0
+        if related is not None:
+            self.relations.doom(*related)
         vheads, vindex = heads[ring // info.bps], ring % info.bps
         voffs = vheads * self.slabs.geo.unit_size + vindex * info.block
         vwords = rows[:, 0]
@@ -48,7 +63,7 @@ class BlockClock:
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
         return freed
 
-    def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int):
+    def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int, stranded_only: bool = False):
         """Move the hand over at most two passes of the class's blocks until m victims are found:
         (ring positions of the victims, their meta rows). The second pass takes the blocks whose `ref`
         the first cleared.
@@ -67,7 +82,12 @@ class BlockClock:
         chunk = max(4 * m, 512)
         picked: list[np.ndarray] = []
         rows: list[np.ndarray] = []
+        related: list[tuple] = []
         got = t = 0
+        if stranded_only:  # the hand stays
+            if self.relations.enabled and n <= STRANDED_SCAN and self.relations.cursor():
+                got = self._stranded_anywhere(info, heads, m, picked, rows, related)
+            t = 2 * n
         while t < 2 * n and got < m:
             t1 = min(t + chunk, n if t < n else 2 * n)
             ring = (p + np.arange(t, t1, dtype=np.int64)) % n
@@ -77,20 +97,74 @@ class BlockClock:
             eligible = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
             if t >= n and picked:
                 eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
-            victims = np.flatnonzero(eligible & ~ref)[:m - got]
+            victims, chosen = self._choose(g, q, eligible, ref, m - got, related)
             got += len(victims)
-            end = int(victims[-1]) + 1 if got == m else len(ring)
-            passed = (eligible & ref)[:end]  # second chances: cleared as the hand passes
+            end = int(victims.max()) + 1 if got == m else len(ring)
+            passed = (eligible & ref & ~chosen)[:end]  # second chances: cleared as the hand passes
             self.metas.meta_refs[g[:end][passed]] = 0
             if len(victims):
                 picked.append(ring[victims])
                 rows.append(q[victims])
             t += end
-        pos = (p + t) % n
-        U64.pack_into(mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
+        if not stranded_only:
+            pos = (p + t) % n
+            U64.pack_into(mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
         if not got:
-            return np.zeros(0, dtype=np.int64), None
-        return np.concatenate(picked), np.concatenate(rows)
+            return np.zeros(0, dtype=np.int64), None, None
+        doomed = None
+        if related:
+            doomed = (np.concatenate([r for r, _ in related]), np.concatenate([b for _, b in related]))
+        return np.concatenate(picked), np.concatenate(rows), doomed
+
+    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int, picked, rows, related) -> int:
+        """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks): the pages
+        of a request whose partner another class evicted are rarely near this class's hand."""
+        geo, bps = self.slabs.geo, info.bps
+        ring = np.arange(len(heads) * bps, dtype=np.int64)
+        g = (heads[ring // bps] * geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
+        q = self.metas.meta_q[g]
+        owner, _, pinned = BlockMetas.columns(q)
+        eligible = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
+        recs, valid = self.relations.of(g, q[:, 0])
+        valid &= eligible
+        if not valid.any():
+            return 0
+        by_group, by_parent = self.relations.stranded(recs, valid)
+        victims = np.flatnonzero(valid & (by_group | by_parent))[:m]
+        if len(victims):
+            picked.append(ring[victims])
+            rows.append(q[victims])
+            related.append((recs[victims], by_parent[victims]))
+        return len(victims)
+
+    def _choose(self, g, q, eligible, ref, want: int, related: list):
+        """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
+
+        Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
+        stranded values first, then unreferenced ones segment by segment in the order the plain CLOCK
+        meets them, each segment tail first; the records of the related victims go to `related` for the
+        doom.
+        """
+        rel = self.relations
+        rows = valid = None
+        if rel.enabled:
+            rows, valid = rel.of(g, q[:, 0])
+            valid &= eligible
+        if rows is None or not valid.any():
+            victims = np.flatnonzero(eligible & ~ref)[:want]
+            chosen = np.zeros(len(g), dtype=bool)
+            chosen[victims] = True
+            return victims, chosen
+        by_group, by_parent = rel.stranded(rows, valid)
+        stranded = eligible & (by_group | by_parent)
+        plain = _tail_first(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
+        victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
+        chosen = np.zeros(len(g), dtype=bool)
+        chosen[victims] = True
+        mine = victims[valid[victims]]
+        if len(mine):
+            related.append((rows[mine], by_parent[mine]))
+        return victims, chosen
 
     def _free_victims_many(self, info, vheads, vindex, voffs, vwords, lens, gone):
         g = voffs >> self.metas.shift
@@ -123,3 +197,16 @@ class BlockClock:
         return freed, evicted, evicted_bytes
 
 
+
+
+def _tail_first(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Candidates (chunk positions, ring order) reordered: by segment, in the order of each segment's first
+    candidate, and deepest first within a segment. A value without a record is a segment of its own."""
+    if not len(plain):
+        return plain
+    ok = valid[plain]
+    key = np.where(ok, rows["group"][plain], 0)
+    _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
+    seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
+    depth = np.where(ok, (rows["depth"][plain] & DEPTH_MAX).astype(np.int64), 0)
+    return plain[np.lexsort((-depth, seg))]

@@ -5,6 +5,7 @@
     kept         blocks kept for our next puts      reserve     allocation, making room
     release      freeing and its derived state      demand      POLICY: move a slab or evict within
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
+    relations    how values relate, the doom ring   (hints the block CLOCK orders its victims by)
     repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
 
 What only the layer above knows comes in through `host` (host.AllocatorHost).
@@ -12,7 +13,7 @@ What only the layer above knows comes in through `host` (host.AllocatorHost).
 
 from __future__ import annotations
 
-from .blockclock import BlockClock
+from .blockclock import STRANDED_SCAN, BlockClock
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .demand import DemandPolicy
@@ -20,6 +21,7 @@ from .freeruns import FreeRuns
 from .host import AllocatorHost
 from .kept import KeptBlocks, keep_limit
 from .locking import AllocatorLocks
+from .relations import Relations
 from .release import BlockRelease
 from .repair import Repairer
 from .reserve import Reserver
@@ -40,8 +42,10 @@ class Allocator:
         self.demand = DemandPolicy(mm, geo)
         self.kept_blocks = KeptBlocks(self.metas, self.slabs)
         self.release = BlockRelease(host, self.locks, self.slabs, self.metas, self.kept_blocks)
-        self.clock = BlockClock(host, self.slabs, self.metas, self.release)
-        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
+        self.relations = Relations(mm, geo)
+        self.clock = BlockClock(host, self.slabs, self.metas, self.release, self.relations)
+        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release,
+                               self.relations)
         self.repairer = Repairer(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.locks.repair_class = self.repairer.repair_class
         self.locks.repair_pool = self.repairer.repair_pool
@@ -62,6 +66,7 @@ class Allocator:
         self.slabs.release_views()
         self.metas.release_views()
         self.demand.release_views()
+        self.relations.release_views()
 
     # ---------------------------------------------------------------- views (numpy, over the mapping)
     states = property(lambda self: self.slabs.states)
@@ -97,6 +102,21 @@ class Allocator:
         return self.slabs.class_slabs(cid)
 
     # ---------------------------------------------------------------- eviction and free units
+    def reclaim_stranded(self) -> int:
+        """Free, in every class, the values a doom has stranded (relations.py); blocks freed.
+
+        Called by a writer whose allocation pushed dooms, holding no lock: a request whose page one class
+        evicted then leaves every pool at once, and the other classes' next writes find free blocks instead
+        of evicting further requests' pages. Classes larger than STRANDED_SCAN blocks are left to their own
+        evictions (which take stranded values first)."""
+        freed = 0
+        for info in self.class_table.classes:
+            if info is None or not 0 < len(self.slabs.class_slabs(info.cid)) * info.bps <= STRANDED_SCAN:
+                continue
+            with self.locks.class_lock(info.cid):
+                freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)
+        return freed
+
     def evict_blocks(self, info: ClassInfo, m: int) -> int:
         return self.clock.evict_blocks(info, m)
 

@@ -156,6 +156,9 @@ class Reserver:
                 self.slabs.format(u, info)
             if runs:
                 return True
+        if self.clock.evict_blocks(info, nblocks, stranded_only=True):
+            return True  # values that can no longer be a hit go before any slab move or CLOCK victim
+        with self.locks.pool_lock():
             move = self.demand.should_move(info)
             if move and self.mover.move_slab(info):
                 return True

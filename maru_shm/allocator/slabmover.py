@@ -17,15 +17,16 @@ from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
 from .locking import AllocatorLocks
+from .relations import Relations
 from .release import BlockRelease
 from .slabtable import SlabTable
 
 
 class SlabMover:
     def __init__(self, host, locks: AllocatorLocks, classes: ClassTable, slabs: SlabTable, metas: BlockMetas,
-                 runs: FreeRuns, release: BlockRelease):
+                 runs: FreeRuns, release: BlockRelease, relations: Relations):
         self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
-        self.metas, self.runs, self.release = metas, runs, release
+        self.metas, self.runs, self.release, self.relations = metas, runs, release, relations
 
     def move_slab(self, info: ClassInfo) -> bool:
         """CLASS[c] and POOL held: evict a slab-CLOCK window and format a slab of the class there."""
@@ -122,6 +123,8 @@ class SlabMover:
                                             np.array([w for _, _, w in live], dtype=np.uint64)).tolist()
         evicted = sum(gone)
         evicted_bytes = sum(n for n, g in zip(lengths, gone) if g)
+        if evicted and self.relations.enabled:
+            self._doom([(off, word) for (_, off, word), g in zip(live, gone) if g])
         moved = 0
         for h, info in slabs:
             if self.slab_evictable(h, info):
@@ -131,6 +134,13 @@ class SlabMover:
                 self._free_unpublished(h, info, live, gone)
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                         orphans_freed=len(live) - evicted)
+
+    def _doom(self, blocks) -> None:
+        """The window's evicted values strand what depends on them: doom their segments (relations.py)."""
+        g = np.array([off for off, _ in blocks], dtype=np.int64) >> self.metas.shift
+        rows, valid = self.relations.of(g, np.array([w for _, w in blocks], dtype=np.uint64))
+        if valid.any():
+            self.relations.doom(rows[valid], np.zeros(int(valid.sum()), dtype=bool))
 
     def _live_blocks(self, slabs):
         """(digest, offset, word) and length of every LIVE block of the slabs."""

@@ -1,0 +1,156 @@
+"""Relation records and the doom ring: how values relate, so that eviction keeps what can still be a hit
+(FORMAT.md section 6a).
+
+A page of a prompt serves only while every page before it in its chain, and its partner pages in the other
+pools of a hybrid model, are present too. A writer that knows this gives the store a record per value:
+
+    group    the chain *segment* the value belongs to (one set call of a request: its pages in every pool),
+             a 32-bit hash; 0 means "no record"
+    parent   the segment holding the page just before the segment's first page (0: none, a root)
+    depth    the value's position within its segment; bit 15 (TRAILING) says that losing this value strands
+             the whole segment (a sliding-window or Mamba state page), not only the pages from its depth on
+    branch   the position, within the parent segment, of the page just before this segment's first page
+
+The record sits beside the block meta (one per granule, the granule where the block starts) and names the
+lifetime it was written for (`tag`, the low 16 bits of the block's LIVE word), so a record of an earlier
+lifetime is not applied. When eviction takes a related value it pushes a *doom* into the ring:
+(group, from), "pages of this segment at position >= from can no longer be a hit". A value is stranded when
+a doom pushed after its birth covers it, or covers its parent at or below its branch point; eviction takes
+stranded values first (blockclock.py). Records and dooms are hints: any value in them costs hits at worst,
+never bytes, and nothing checks or repairs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..format import DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
+
+TRAILING = 1 << 15   # `depth` flag: losing this value strands its whole segment
+DEPTH_MAX = TRAILING - 1  # positions saturate here (a segment is one set call: SGLang sends 128 pages)
+RELATION_DTYPE = np.dtype([("group", "<u4"), ("parent", "<u4"), ("depth", "<u2"), ("branch", "<u2"),
+                           ("tag", "<u2"), ("born", "<u2")])  # FORMAT.md section 6a, 16 bytes
+DOOM_DTYPE = np.dtype([("group", "<u4"), ("from", "<u2"), ("seq", "<u2")])  # 8 bytes
+_HALF = 1 << 15
+
+
+def chain(n: int, group: int, parent: int = 0, branch: int = 0, trailing: bool = False,
+          positions=None) -> np.ndarray:
+    """Records for n values of one segment (what `Store.batch_put_pieces(relations=)` takes): positions
+    0 .. n-1 in chain order, or `positions`; TRAILING if `trailing`. `group` and `parent` are hashes (their
+    low 32 bits are kept); positions saturate at DEPTH_MAX."""
+    rel = np.zeros(n, dtype=RELATION_DTYPE)
+    rel["group"] = (group & 0xFFFF_FFFF) or 1  # 0 means "no record"
+    rel["parent"] = parent & 0xFFFF_FFFF
+    depth = np.minimum(np.arange(n) if positions is None else np.asarray(positions, dtype=np.int64), DEPTH_MAX)
+    rel["depth"] = depth | TRAILING if trailing else depth
+    rel["branch"] = min(max(branch, 0), DEPTH_MAX)
+    return rel
+
+
+class Relations:
+    """The records (one per granule) and the doom ring of a pool made with FLAG_RELATIONS; inert otherwise."""
+
+    def __init__(self, mm, geo):
+        self.mm, self.geo = mm, geo
+        self.enabled = geo.has_relations
+        if self.enabled:
+            self.records = np.ndarray((geo.n_granules,), dtype=RELATION_DTYPE, buffer=mm, offset=geo.off_relations)
+            self.ring = np.ndarray((DOOM_ENTRIES,), dtype=DOOM_DTYPE, buffer=mm, offset=geo.off_dooms)
+        self.shift = geo.granule.bit_length() - 1
+
+    def release_views(self) -> None:
+        self.records = self.ring = None
+
+    def cursor(self) -> int:
+        """Dooms pushed so far (mod 2^32); its low 16 bits are the `born` of a record written now."""
+        return U32.unpack_from(self.mm, DOOM_CURSOR_OFF)[0]
+
+    # ---------------------------------------------------------------- the writer
+    def write(self, offsets, live_words, rel: np.ndarray) -> None:
+        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime.
+
+        `live_words` are the words the commit will store: a record applies from the commit on, and a crash
+        before it leaves a record whose tag no LIVE word of that block carries.
+        """
+        if not self.enabled or not len(offsets):
+            return
+        g = np.asarray(offsets, dtype=np.int64) >> self.shift
+        rows = rel.copy()
+        rows["tag"] = np.asarray(live_words, dtype=np.uint64) & np.uint64(0xFFFF)
+        rows["born"] = self.cursor() & 0xFFFF
+        self.records[g] = rows
+
+    def record_of(self, offset: int, word: int) -> tuple[int, int]:
+        """(group, position) of the block at this data offset for the lifetime `word`; (0, 0) if none."""
+        if not self.enabled or not 0 <= offset < self.geo.data_bytes:
+            return 0, 0
+        rows, valid = self.of(np.array([offset >> self.shift]), np.array([word], dtype=np.uint64))
+        return (int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX) if valid[0] else (0, 0)
+
+    # ---------------------------------------------------------------- eviction
+    def of(self, g: np.ndarray, words: np.ndarray):
+        """Records of granules g whose blocks hold `words`: (rows, valid mask). A record of another lifetime
+        or without a group is not valid."""
+        rows = self.records[g]
+        valid = (rows["group"] != 0) & (rows["tag"] == (words & np.uint64(0xFFFF)).astype(np.uint16))
+        return rows, valid
+
+    def stranded(self, rows: np.ndarray, valid: np.ndarray):
+        """(by group, by parent): masks of the values a doom pushed after their birth strands."""
+        none = np.zeros(len(rows), dtype=bool)
+        if not valid.any():
+            return none, none
+        ring = self.ring.copy()  # one read: other processes push meanwhile
+        ring = ring[ring["group"] != 0]
+        if not len(ring):
+            return none, none
+        depth = (rows["depth"] & DEPTH_MAX).astype(np.int64)
+        by_group = _covered(rows["group"], depth, rows["born"], valid, ring)
+        by_parent = _covered(rows["parent"], rows["branch"].astype(np.int64), rows["born"],
+                             valid & (rows["parent"] != 0), ring)
+        return by_group, by_parent
+
+    def doom(self, rows: np.ndarray, by_parent: np.ndarray) -> None:
+        """Eviction took these valid related values: push (group, from) per group, the lowest from.
+
+        from = the value's position; 0 (the whole segment) if it was TRAILING or stranded through its
+        parent. No lock: pushers racing for a slot overwrite each other's hint.
+        """
+        if not self.enabled or not len(rows):
+            return
+        depth = rows["depth"]
+        whole = ((depth & TRAILING) != 0) | by_parent
+        frm = np.where(whole, 0, depth & DEPTH_MAX).astype(np.uint16)
+        groups, inverse = np.unique(rows["group"], return_inverse=True)
+        low = np.full(len(groups), DEPTH_MAX, dtype=np.uint16)
+        np.minimum.at(low, inverse, frm)
+        self._push(groups[:DOOM_ENTRIES], low[:DOOM_ENTRIES])
+
+    def push(self, group: int) -> None:
+        """A writer learned its new segment is stranded at birth (its parent is gone): doom it whole."""
+        if self.enabled:
+            self._push(np.array([(group & 0xFFFF_FFFF) or 1], dtype=np.uint32), np.zeros(1, dtype=np.uint16))
+
+    def _push(self, groups: np.ndarray, frm: np.ndarray) -> None:
+        c, n = self.cursor(), len(groups)
+        seq = c + np.arange(n, dtype=np.int64)
+        entries = np.zeros(n, dtype=DOOM_DTYPE)
+        entries["group"], entries["from"], entries["seq"] = groups, frm, seq & 0xFFFF
+        self.ring[seq % DOOM_ENTRIES] = entries
+        U32.pack_into(self.mm, DOOM_CURSOR_OFF, (c + n) & 0xFFFF_FFFF)
+
+
+def _covered(groups, depth, born, valid, ring) -> np.ndarray:
+    """Per value: does a ring entry of its group, pushed at or after its birth, start at or below `depth`?"""
+    out = np.zeros(len(groups), dtype=bool)
+    hit = valid & np.isin(groups, ring["group"])
+    if not hit.any():
+        return out
+    k = np.flatnonzero(hit)
+    near = ring[np.isin(ring["group"], groups[k])]
+    same = groups[k][:, None] == near["group"][None, :]
+    low = near["from"][None, :].astype(np.int64) <= depth[k][:, None]
+    after = ((near["seq"][None, :].astype(np.int64) - born[k][:, None].astype(np.int64)) & 0xFFFF) < _HALF
+    out[k] = (same & low & after).any(axis=1)
+    return out

@@ -1,0 +1,165 @@
+"""Relation records and the doom ring (FORMAT.md section 6a): eviction keeps what can still be a hit.
+
+A chain's page serves only while every page before it is stored; a hybrid request's page only while its
+pages in the other pools are. These tests store chains with records and check that what stays is usable,
+against the same workload without records (where the plain CLOCK leaves stranded pages behind), and that
+damaged records or a damaged doom ring cost nothing but hints.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+from maru_shm import RELATION_DTYPE, chain_relations
+from maru_shm.allocator.relations import TRAILING, Relations
+from maru_shm.index import key_digest
+
+from ...conftest import assert_clean, check_value, make_value
+
+KiB = 1 << 10
+
+
+def _put_chain(s, name: str, n: int, size: int, relations: bool, group: int, parent: int = 0, branch: int = 0):
+    keys = [f"{name}-{i}" for i in range(n)]
+    vals = [make_value(k, 1, size) for k in keys]
+    rel = chain_relations(n, group, parent, branch) if relations else None
+    bufs = [np.frombuffer(v, dtype=np.uint8) for v in vals]
+    assert all(s.batch_put_pieces(keys, [[(b.ctypes.data, len(b))] for b in bufs], relations=rel))
+    return keys
+
+
+def _churn(s, relations: bool, chains: int = 120, seed: int = 3):
+    """Chains of 4..24 pages of 64 KiB, and every third chain read back whole (the CLOCK's ref bits)."""
+    rnd = random.Random(seed)
+    stored = []
+    for c in range(chains):
+        stored.append(_put_chain(s, f"c{c}", rnd.randint(4, 24), 64 * KiB, relations, group=c + 1))
+        if c % 3 == 0:
+            old = stored[rnd.randrange(len(stored))]
+            s.batch_get_into(old, [bytearray(64 * KiB) for _ in old])
+    live = usable = 0
+    for keys in stored:
+        live += sum(s.batch_exists(keys))
+        usable += s.leading_hits(keys)
+    return live, usable
+
+
+def test_chains_with_records_keep_only_usable_pages(open_store):
+    s = open_store("32M")
+    live, usable = _churn(s, relations=True)
+    assert s.stats()["evictions"] > 0
+    assert live > 0 and usable == live  # nothing stranded: every page left is part of a leading run
+    assert_clean(s)
+
+
+def test_without_records_the_plain_clock_strands_pages(open_store):
+    """The same workload without records: the CLOCK evicts heads under their tails (what #19 is about)."""
+    s = open_store("32M")
+    live, usable = _churn(s, relations=False)
+    assert usable < live
+
+
+def test_a_partner_page_goes_with_its_request(open_store):
+    """Two pools of one request (two classes): a class that evicts a request's page dooms the request, and the
+    writer frees its pages in the other class at once (reclaim), so no request is left half stored."""
+    s = open_store("32M")
+    rnd = random.Random(5)
+    reqs = []
+    for r in range(150):
+        n = rnd.randint(2, 12)
+        a = _put_chain(s, f"r{r}a", n, 96 * KiB, True, group=r + 1)
+        b = _put_chain(s, f"r{r}b", n, 20 * KiB, True, group=r + 1)
+        reqs.append((a, b))
+    assert s.stats()["evictions"] > 0
+    for a, b in reqs:
+        la, lb = s.leading_hits(a), s.leading_hits(b)
+        assert la == lb == sum(s.batch_exists(a)) == sum(s.batch_exists(b)), (la, lb)
+    assert_clean(s)
+
+
+def test_stranded_rules():
+    """The rule of section 6a on a scratch ring: group dooms at or below the depth, parent dooms at or below the
+    branch point, only dooms pushed at or after the record's birth, TRAILING dooms the whole segment."""
+    class Geo:
+        has_relations, n_granules, granule, data_bytes = True, 8, 4096, 8 * 4096
+        off_relations, off_dooms = 0, 8 * 16
+    buf = bytearray(8 * 16 + 4096 * 8 + 4096)
+    import maru_shm.allocator.relations as R
+    cursor_off = R.DOOM_CURSOR_OFF
+    R.DOOM_CURSOR_OFF = len(buf) - 8  # the scratch buffer has no superblock: keep the cursor at its end
+    try:
+        rel = Relations(memoryview(buf), Geo)
+        rows = chain_relations(4, group=7, parent=9, branch=5)
+        rows["born"] = 0
+        valid = np.ones(4, dtype=bool)
+        assert not any(rel.stranded(rows, valid)[0])
+        rel.doom(chain_relations(1, 7, positions=[2]), np.zeros(1, dtype=bool))  # group 7 from 2
+        g, p = rel.stranded(rows, valid)
+        assert g.tolist() == [False, False, True, True] and not p.any()
+        later = rows.copy()
+        later["born"] = rel.cursor()  # written after that doom: not stranded by it
+        assert not rel.stranded(later, valid)[0].any()
+        rel.doom(chain_relations(1, 9, positions=[6]), np.zeros(1, dtype=bool))  # parent from 6 > branch 5
+        assert not rel.stranded(rows, valid)[1].any()
+        rel.doom(chain_relations(1, 9, positions=[5]), np.zeros(1, dtype=bool))  # parent from 5 = branch
+        assert rel.stranded(rows, valid)[1].all()
+        t = chain_relations(1, 11, positions=[3], trailing=True)
+        assert int(t["depth"][0]) & TRAILING
+        rel.doom(t, np.zeros(1, dtype=bool))  # a trailing page dooms its segment from 0
+        g, _ = rel.stranded(chain_relations(3, 11), np.ones(3, dtype=bool))
+        assert g.all()
+    finally:
+        R.DOOM_CURSOR_OFF = cursor_off
+
+
+def test_damaged_records_and_ring_cost_hints_never_bytes(open_store):
+    """Random bytes over every relation record and the doom ring, then more churn: every value read is its
+    own, every put succeeds, the pool checks clean."""
+    s = open_store("32M")
+    _churn(s, relations=True, chains=40)
+    geo = s.geo
+    rnd = np.random.default_rng(11)
+    span = geo.off_dooms + 4096 * 8 - geo.off_relations
+    s.att.mm[geo.off_relations:geo.off_relations + span] = rnd.integers(0, 256, span, dtype=np.uint8).tobytes()
+    rng = random.Random(2)
+    stored = []
+    for c in range(60):
+        stored += _put_chain(s, f"d{c}", rng.randint(4, 24), 64 * KiB, True, group=rng.randrange(1, 50))
+    for k in stored[-200:]:
+        v = s.get(k)
+        assert v is None or check_value(k, v)
+    assert_clean(s)
+
+
+def test_a_relation_record_names_its_lifetime(open_store):
+    s = open_store("16M")
+    keys = _put_chain(s, "x", 3, 8 * KiB, True, group=42)
+    assert s.relation_of(key_digest(keys[2])) == (42, 2)
+    assert s.put(keys[2], make_value(keys[2], 2, 8 * KiB))  # a new lifetime, stored without a record
+    assert s.relation_of(key_digest(keys[2])) == (0, 0)
+    assert s.relation_of(key_digest("absent")) is None
+    assert RELATION_DTYPE.itemsize == 16
+
+
+def test_a_pool_made_without_relations_still_works(open_store, pool_path):
+    """A pool whose header lacks FLAG_RELATIONS (made by an earlier version) keeps its layout; records are
+    ignored and eviction is the plain CLOCK."""
+    from maru_shm.format import Geometry
+    from maru_shm import poolfile
+    plan = Geometry.plan
+    orig = poolfile.Geometry.plan
+    poolfile.Geometry.plan = staticmethod(lambda size, **kw: plan(size, **dict(kw, flags=kw.get("flags", 0) & ~2)))
+    try:
+        s = open_store("16M")
+    finally:
+        poolfile.Geometry.plan = orig
+    assert not s.geo.has_relations and s.geo.off_relations == 0
+    for c in range(40):
+        _put_chain(s, f"o{c}", 8, 64 * KiB, True, group=c + 1)
+    assert s.stats()["evictions"] > 0
+    assert s.relation_of(key_digest("o39-0")) == (0, 0)
+    assert_clean(s)
+    assert os.path.exists(pool_path)
