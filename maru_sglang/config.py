@@ -20,7 +20,7 @@ DEFAULT_POOL_SIZE = 4 << 30
 SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight")
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_instance_id", "maru_timeout_ms",
-    "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_tier2", "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
+    "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_prefix_eviction", "maru_tier2", "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
 }
 DEFAULT_TIER2_RETRY_S = 2.0
 
@@ -45,6 +45,7 @@ class MaruConfig:
     eager_map: bool = True
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
+    prefix_eviction: bool = True  # record how pages relate, so eviction keeps what can still be a hit
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
 
@@ -97,6 +98,8 @@ class MaruConfig:
                     or not 1 <= int(t) <= 64:
                 raise ValueError(f"maru_copy_threads: expected 'auto' or an integer from 1 to 64, got {t!r}")
             kw["copy_threads"] = int(t)
+        if "maru_prefix_eviction" in extra:
+            kw["prefix_eviction"] = _bool(extra["maru_prefix_eviction"], "maru_prefix_eviction")
         if extra.get("maru_tier2") is not None:
             kw["tier2"] = _tier2_settings(extra["maru_tier2"])
         if "maru_tier2_retry_s" in extra:

@@ -261,20 +261,21 @@ class HybridPools:
         return min(lead // group * block, span_pages)
 
     # ------------------------------------------------------------------ data path
-    def batch_io_v2(self, transfers: List[PoolTransfer], write: bool) -> Dict[Any, List[bool]]:
-        """One per-page success list per transfer, keyed by transfer.name (as HiCacheFile._batch_io_v2)."""
+    def batch_io_v2(self, transfers: List[PoolTransfer], write: bool, segment=None) -> Dict[Any, List[bool]]:
+        """One per-page success list per transfer, keyed by transfer.name (as HiCacheFile._batch_io_v2).
+        A write names the lineage segment its pages belong to (lineage.py), if it knows it."""
         what = "batch_set_v2" if write else "batch_get_v2"
         results: Dict[Any, List[bool]] = {}
         for transfer in transfers or []:
             keys = list(transfer.keys or [])
             try:
-                results[transfer.name] = self._transfer(transfer, keys, write)
+                results[transfer.name] = self._transfer(transfer, keys, write, segment)
             except Exception as e:
                 self.storage.log_once(what, e)
                 results[transfer.name] = [False] * len(keys)
         return results
 
-    def _transfer(self, transfer: PoolTransfer, keys: List[str], write: bool) -> List[bool]:
+    def _transfer(self, transfer: PoolTransfer, keys: List[str], write: bool, segment=None) -> List[bool]:
         spec = self.spec(transfer.name)
         if spec is None:
             raise KeyError(f"pool {pool_name(transfer.name)!r} was never registered "
@@ -286,15 +287,19 @@ class HybridPools:
                              f"got {hi.numel() if hi is not None else 0}")
         if not keys:
             return []
+        trailing = getattr(transfer, "hit_policy", None) == PoolHitPolicy.TRAILING_PAGES
+        relations = self.storage.lineage.records(segment, keys, trailing) if write else None
         if spec.is_kv:
-            return self._kv_io(keys, hi, write)
-        return (self._set_pool if write else self._get_pool)(spec, keys, hi)
+            return self._kv_io(keys, hi, write, relations)
+        if write:
+            return self._set_pool(spec, keys, hi, relations)
+        return self._get_pool(spec, keys, hi)
 
-    def _kv_io(self, keys, host_indices, write: bool) -> List[bool]:
+    def _kv_io(self, keys, host_indices, write: bool, relations=None) -> List[bool]:
         """A transfer named 'kv' moves the KV pages themselves, under the same keys as v1 / legacy calls."""
         st = self.storage
         if st.uses_pieces:
-            return st.local_set_v1(keys, host_indices) if write else st.local_get_v1(keys, host_indices)
+            return st.local_set_v1(keys, host_indices, relations) if write else st.local_get_v1(keys, host_indices)
         host, ps = st.mem_pool_host, int(getattr(st.mem_pool_host, "page_size", 1) or 1)
         out = []
         for i, key in enumerate(keys):
@@ -308,13 +313,13 @@ class HybridPools:
                 out.append(page is not None)
         return out
 
-    def _set_pool(self, spec: PoolSpec, keys, host_indices) -> List[bool]:
+    def _set_pool(self, spec: PoolSpec, keys, host_indices, relations=None) -> List[bool]:
         n = len(keys)
         if not self.storage.is_writer and not spec.tp_sharded:
             return [True] * n  # MLA: pages shared by the TP ranks are written by the storage writer rank
         t0 = time.perf_counter()
         res, written = store_pages(self.storage.store, keys, self.digests(spec, keys), _pieces(spec, host_indices, n),
-                                   spec.page_bytes)
+                                   spec.page_bytes, relations)
         self._account(spec, res, t0, read=False, written=written)
         return res
 

@@ -34,6 +34,7 @@ from maru_shm import SizeMismatchError, Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
+from .lineage import Lineage
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
 from .tier2 import SecondTier
@@ -59,6 +60,7 @@ class MaruStorage(HiCacheStorage):
         self._lock = threading.Lock()
         self.keyspace = KeySpace(self.store, self.log_once)  # whose pages these are, and the clear() nonce
         self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
+        self.lineage = Lineage(self, self.config.prefix_eviction)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
         self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
@@ -179,6 +181,8 @@ class MaruStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
         local = self.local_exists(keys)
+        if local:
+            self.lineage.touch(extra_info)
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 
     def local_exists(self, keys: List[str]) -> int:
@@ -199,6 +203,8 @@ class MaruStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Load pages into the host pool; True only where the stored value is exactly one page."""
         res = self.local_get_v1(keys, host_indices)
+        if res and res[0]:
+            self.lineage.touch(extra_info)
         return self.tiers.fill(keys, host_indices, res) if self.tiers is not None and keys else res
 
     def local_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
@@ -217,12 +223,15 @@ class MaruStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
-        res = self.local_set_v1(keys, host_indices)
+        seg = self.lineage.segment(keys, extra_info) if self.is_writer else None
+        res = self.local_set_v1(keys, host_indices, self.lineage.records(seg, keys))
+        self.lineage.stored(seg)
+        self.lineage.touch(extra_info)
         if self.tiers is not None and keys and self.is_writer:
             return self.tiers.write_through(keys, host_indices, res)
         return res
 
-    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor, relations=None) -> List[bool]:
         if not keys:
             return []
         if not self.is_writer:
@@ -230,7 +239,7 @@ class MaruStorage(HiCacheStorage):
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            res, written = store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes)
+            res, written = store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes, relations)
             self._account(res, t0, read=False, written=written)
             return res
         except Exception as e:
@@ -282,11 +291,15 @@ class MaruStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
         res = self.hybrid.batch_io_v2(transfers, write=False)
+        self.lineage.touch(extra_info)
         return self.tiers.fill_v2(transfers, res) if self.tiers is not None else res
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        res = self.hybrid.batch_io_v2(transfers, write=True)
+        seg = self.lineage.segment_v2(transfers, extra_info)
+        res = self.hybrid.batch_io_v2(transfers, write=True, segment=seg)
+        self.lineage.stored(seg)
+        self.lineage.touch(extra_info)
         if self.tiers is None:
             return res
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)

@@ -36,7 +36,7 @@ def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | Non
 
 
 def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
-                page_bytes: int) -> Tuple[List[bool], int]:
+                page_bytes: int, relations=None) -> Tuple[List[bool], int]:
     """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
 
     A page present is never written again (another instance wrote it first: same key, same bytes), and
@@ -44,6 +44,7 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     sits in its home slot (cheap to ask, and where a present key almost always is) are looked up before
     the copy; the others are written with the exact check under their shard lock at publication
     (skip_existing, assume_absent), which keeps a present key displaced from its home slot.
+    `relations` (one record per key, lineage.py) goes with the pages that are written.
     """
     n = len(keys)
     first = np.ones(n, dtype=bool)
@@ -61,11 +62,12 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     if not todo.size:
         return [True] * n, 0
     if todo.size == n:
-        return store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True), n
+        return store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True,
+                                      relations=relations), n
     res = [True] * n
     sel = todo.tolist()
     put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], skip_existing=True, digests=digests[todo],
-                                 assume_absent=True)
+                                 assume_absent=True, relations=None if relations is None else relations[todo])
     for i, ok in zip(sel, put):
         res[i] = ok
     return res, len(sel)

@@ -1,0 +1,113 @@
+"""How SGLang's pages relate, told to the store so that eviction keeps what can still be a hit.
+
+A page serves only while every page before it in its prompt's chain is stored too (SGLang asks
+`batch_exists` for the chain and uses the leading run), and for a hybrid model only while its pages in the
+other pools are stored as well. The store orders its evictions by relation records (maru_shm, FORMAT.md
+section 6a); this module writes them:
+
+- One set call is one *segment*. SGLang's keys arrive in chain order, so a key's position in the call is
+  its position in the segment. With `hicache_storage_pass_prefix_keys: true` SGLang passes every key
+  before the call's as `extra_info.prefix_keys`: the segment's parent is the one holding the last of them,
+  and its branch point that page's position there, both read from that page's own record. A parent that is no longer stored
+  makes the new segment stranded at birth: it is stored, and doomed at once (it can serve no prefix hit).
+- The group is a hash of the last prefix key and the segment's first key, so every pool's pages of one
+  request (v1 KV pages, v2 pages under the same keys) share it, and two continuations of one prefix do not.
+- A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
+  segment when it goes.
+- Reads that start mid-chain (SGLang holds the head in host memory) and writes of a suffix *touch* the
+  prefix keys, so a head is as used as its most used continuation.
+
+`maru_prefix_eviction: false` turns all of this off (the plain per-class CLOCK).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import List, Optional
+
+import numpy as np
+
+from maru_shm import chain_relations
+
+
+def _quiet(method):
+    """Relations are hints: a failure to compute or record one costs hits, never a set or a read."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            self.storage.log_once(f"prefix eviction ({method.__name__})", e)
+            return None
+    return call
+
+
+class Segment:
+    __slots__ = ("group", "parent", "branch", "orphan", "keys", "_pos")
+
+    def __init__(self, group: int, parent: int, branch: int, orphan: bool, keys: List[str]):
+        self.group, self.parent, self.branch, self.orphan, self.keys = group, parent, branch, orphan, keys
+        self._pos = None
+
+    def positions(self, keys: List[str]) -> np.ndarray:
+        """Position of each key within the segment (keys of this segment, in any subset or order)."""
+        if keys is self.keys or keys == self.keys:
+            return np.arange(len(keys), dtype=np.int64)
+        if self._pos is None:
+            self._pos = {k: i for i, k in enumerate(self.keys)}
+        return np.array([self._pos.get(k, 0) for k in keys], dtype=np.int64)
+
+
+class Lineage:
+    def __init__(self, storage, enabled: bool):
+        self.storage, self.enabled = storage, enabled
+
+    @staticmethod
+    def _prefix(extra_info) -> Optional[list]:
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        return list(prefix) if prefix else None
+
+    @_quiet
+    def segment(self, keys: List[str], extra_info=None) -> Optional[Segment]:
+        """The segment a set call of these keys (in chain order) writes; None when disabled or empty."""
+        if not self.enabled or not keys:
+            return None
+        ks, store = self.storage.keyspace, self.storage.store
+        prefix = self._prefix(extra_info)
+        tail = ks.digest(prefix[-1]) if prefix else b""
+        group = int.from_bytes(hashlib.blake2b(tail + ks.digest(keys[0]), digest_size=4).digest(), "little")
+        parent, branch, orphan = 0, 0, False
+        if prefix:
+            rec = store.relation_of(tail)
+            orphan = rec is None
+            if rec is not None:
+                parent, branch = rec
+        return Segment(group, parent, branch, orphan, list(keys))
+
+    @staticmethod
+    def records(seg: Optional[Segment], keys: List[str], trailing: bool = False):
+        """Relation records of `keys` (pages of segment `seg`), for Store.batch_put_pieces(relations=)."""
+        if seg is None or not keys:
+            return None
+        return chain_relations(len(keys), seg.group, seg.parent, seg.branch, trailing, seg.positions(keys))
+
+    @_quiet
+    def stored(self, seg: Optional[Segment]) -> None:
+        """After the segment's pages are written: a segment whose parent is gone is doomed at once."""
+        if seg is not None and seg.orphan:
+            self.storage.store.doom_segment(seg.group)
+
+    @_quiet
+    def touch(self, extra_info) -> None:
+        """Mark the prefix keys' pages as used (see the module docstring)."""
+        prefix = self._prefix(extra_info) if self.enabled else None
+        if prefix:
+            self.storage.store.touch(self.storage.keyspace.digests(prefix))
+
+    @_quiet
+    def segment_v2(self, transfers, extra_info=None) -> Optional[Segment]:
+        """The segment of a v2 set call: its keys are those of the transfer with the most keys (the pages
+        every page-aligned pool stores; a trailing pool names only the last ones)."""
+        keys = max((list(t.keys or []) for t in transfers or []), key=len, default=[])
+        return self.segment(keys, extra_info)

@@ -1,0 +1,106 @@
+"""Eviction that knows prefixes, through MaruStorage (maru_sglang/lineage.py, FORMAT.md section 6a).
+
+SGLang's `extra_info.prefix_keys` (with `hicache_storage_pass_prefix_keys`) links a stored suffix to its
+prefix; a suffix whose prefix is gone is stranded at birth; the prefix keys of a read or a write are touched.
+Calls go to MaruStorage's v1 methods with SGLang's own HiCacheStorageExtraInfo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("sglang", exc_type=ImportError,
+                    reason="sglang cannot be imported: these tests need real SGLang 0.5.23 host pools and its backend "
+                           "factory (pip install -r requirements.txt)")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
+
+from hicache_helpers import page_indices, prompt_keys  # noqa: E402
+import hicache_helpers as hh  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+BATCH = 32
+
+
+def _info(prefix):
+    return HiCacheStorageExtraInfo(prefix_keys=list(prefix))
+
+
+def test_a_suffix_links_to_its_prefix(make_instance):
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
+    hh.fill_random(host, seed=1)
+    idx = page_indices(host, 0, 8)
+    head, tail = prompt_keys(8, "head"), prompt_keys(8, "tail")
+    assert all(backend.batch_set_v1(head, idx))
+    assert all(backend.batch_set_v1(tail, idx, _info(head)))
+    st, ks = backend.store, backend.keyspace
+    g_head, pos = st.relation_of(ks.digest(head[5]))
+    assert pos == 5 and g_head != 0
+    g_tail, pos = st.relation_of(ks.digest(tail[0]))
+    assert pos == 0 and g_tail not in (0, g_head)
+    found = st.resolve(ks.digests(tail))
+    granules = found.offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
+    rows, valid = st.att.alloc.relations.of(granules, found.words)
+    assert valid.all() and set(rows["parent"].tolist()) == {g_head} and set(rows["branch"].tolist()) == {7}
+
+
+def test_a_suffix_whose_prefix_is_gone_goes_first(make_instance, pool_path):
+    """Pages stored after a prefix that is no longer in the pool can serve no prefix hit: the pool takes them
+    before any page that can, even just read. Without prefix eviction the plain CLOCK keeps them (their ref bit)
+    and takes pages that could be hits instead."""
+    for on in (True, False):
+        host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="48M",
+                                      maru={"maru_prefix_eviction": on}, pool=f"{pool_path}-{on}")
+        hh.fill_random(host, seed=2)
+        idx = page_indices(host, 0, BATCH)
+        capacity = backend.store.geo.data_bytes // backend.page_bytes
+        kept = []
+        for b in range(capacity // BATCH // 2):  # half the pool: chains that can be hits
+            keys = prompt_keys(BATCH, f"ok-{on}-{b}")
+            assert all(backend.batch_set_v1(keys, idx))
+            kept.append(keys)
+        missing = prompt_keys(4, f"never-stored-{on}")
+        orphans = prompt_keys(BATCH, f"orphan-{on}")
+        assert all(backend.batch_set_v1(orphans, idx, _info(missing)))
+        assert all(backend.batch_get_v1(orphans, idx))  # read, so the plain CLOCK gives them a second chance
+        for b in range(capacity // BATCH // 2 + 2):  # then enough new chains to need eviction
+            keys = prompt_keys(BATCH, f"new-{on}-{b}")
+            assert all(backend.batch_set_v1(keys, idx))
+            kept.append(keys)
+        st, ks = backend.store, backend.keyspace
+        orphans_left = sum(st.batch_exists(digests=ks.digests(orphans)))
+        stranded = sum(sum(st.batch_exists(digests=ks.digests(k))) - st.leading_hits(digests=ks.digests(k))
+                       for k in kept)
+        evictions = st.stats()["evictions"]
+        backend.close()
+        os.unlink(f"{pool_path}-{on}")
+        assert evictions > BATCH
+        if on:
+            assert orphans_left == 0 and stranded == 0  # the orphans went first; chains lose tails, not heads
+        else:
+            assert orphans_left > 0
+
+
+def test_prefix_keys_of_a_read_are_touched(make_instance):
+    """SGLang reads a suffix whose head sits in its host memory: the head's pages in the pool are marked used."""
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
+    hh.fill_random(host, seed=3)
+    idx = page_indices(host, 0, 8)
+    head, tail = prompt_keys(8, "h"), prompt_keys(8, "t")
+    assert all(backend.batch_set_v1(head, idx))
+    assert all(backend.batch_set_v1(tail, idx, _info(head)))
+    st = backend.store
+    g = st.resolve(backend.keyspace.digests(head)).offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
+    refs = st.att.alloc.meta_refs
+    refs[g] = 0
+    assert backend.batch_exists(tail, _info(head)) == 8
+    assert refs[g].all()
+    refs[g] = 0
+    backend.batch_exists(tail, _info(head))
+    assert refs[g].all()
+    refs[g] = 0
+    assert backend.batch_exists(prompt_keys(3, "absent"), _info(head)) == 0  # nothing read: nothing touched
+    assert not refs[g].any()
