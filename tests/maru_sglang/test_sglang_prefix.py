@@ -29,13 +29,19 @@ def _info(prefix):
     return HiCacheStorageExtraInfo(prefix_keys=list(prefix))
 
 
-def test_a_suffix_links_to_its_prefix(make_instance):
+def _head_and_tail(make_instance, seed: int):
+    """A backend holding an 8-page head and its 8-page continuation, stored with the head as prefix_keys."""
     host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
-    hh.fill_random(host, seed=1)
+    hh.fill_random(host, seed=seed)
     idx = page_indices(host, 0, 8)
-    head, tail = prompt_keys(8, "head"), prompt_keys(8, "tail")
+    head, tail = prompt_keys(8, f"head{seed}"), prompt_keys(8, f"tail{seed}")
     assert all(backend.batch_set_v1(head, idx))
     assert all(backend.batch_set_v1(tail, idx, _info(head)))
+    return backend, head, tail
+
+
+def test_a_suffix_links_to_its_prefix(make_instance):
+    backend, head, tail = _head_and_tail(make_instance, 1)
     st, ks = backend.store, backend.keyspace
     g_head, pos = st.relation_of(ks.digest(head[5]))
     assert pos == 5 and g_head != 0
@@ -86,12 +92,7 @@ def test_a_suffix_whose_prefix_is_gone_goes_first(make_instance, pool_path):
 
 def test_prefix_keys_of_a_read_are_touched(make_instance):
     """SGLang reads a suffix whose head sits in its host memory: the head's pages in the pool are marked used."""
-    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
-    hh.fill_random(host, seed=3)
-    idx = page_indices(host, 0, 8)
-    head, tail = prompt_keys(8, "h"), prompt_keys(8, "t")
-    assert all(backend.batch_set_v1(head, idx))
-    assert all(backend.batch_set_v1(tail, idx, _info(head)))
+    backend, head, tail = _head_and_tail(make_instance, 3)
     st = backend.store
     g = st.resolve(backend.keyspace.digests(head)).offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
     refs = st.att.alloc.meta_refs
