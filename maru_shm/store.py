@@ -459,9 +459,10 @@ class Store:
         """
         return self.batch_put_pieces([key], [pieces])[0]
 
-    def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False) -> list[bool]:
+    def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False, *, relations=None) -> list[bool]:
         keeps = [_buffer_address(v, writable=False) for v in values]
-        res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing)
+        res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing,
+                                    relations=relations)
         del keeps
         return res
 
