@@ -122,6 +122,17 @@ class ReadPath:
             gidx = offs >> granule_shift(att.geo)
             still = att.alloc.meta_words[gidx] == res.words[rows]
             ok[rows] = still
-            att.alloc.meta_refs[gidx[still]] = 1
-            att.alloc.unit_refs[offs[still] // att.geo.unit_size] = 1
+            self._mark_used_many(offs[still], gidx[still])
         return ok
+
+    def touch(self, darr: np.ndarray) -> int:
+        """Mark the values of these digests used, as a hit would, without a copy; the number present."""
+        r = resolve(self.att, darr, full=False)
+        offs = r.offsets[r.ok].astype(np.int64)
+        self._mark_used_many(offs, offs >> granule_shift(self.att.geo))
+        return len(offs)
+
+    def _mark_used_many(self, offs: np.ndarray, gidx: np.ndarray) -> None:
+        """The batch form of _mark_used: ref bits of the blocks (granules gidx) and of their slabs."""
+        self.att.alloc.meta_refs[gidx] = 1
+        self.att.alloc.unit_refs[offs // self.att.geo.unit_size] = 1

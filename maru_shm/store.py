@@ -409,13 +409,7 @@ class Store:
     def touch(self, digests) -> int:
         """Mark the values of these digests as used (the CLOCKs' ref bits), as a hit would, without copying:
         a caller whose reads start mid-chain keeps the chain's head alive with it. The number present."""
-        r = resolve(self.att, digest_array(digests), full=False)
-        offs = r.offsets[r.ok].astype(np.int64)
-        if len(offs):
-            alloc, geo = self.att.alloc, self.geo
-            alloc.meta_refs[offs >> (geo.granule.bit_length() - 1)] = 1
-            alloc.unit_refs[offs // geo.unit_size] = 1
-        return len(offs)
+        return self.reader.touch(digest_array(digests))
 
     @_entry
     def relation_of(self, digest: bytes) -> tuple[int, int] | None:

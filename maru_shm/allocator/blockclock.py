@@ -5,8 +5,10 @@ index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref`
 passes. RESERVED, FREE, owned and pinned blocks are skipped.
 
 Where the blocks under the hand carry relation records (relations.py), the choice within each chunk the
-hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones deepest first,
-so a chain loses its tail before its head; each victim's segment is then doomed for the other classes.
+hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones segment by
+segment, deepest first, so a chain loses its tail before its head; each victim's segment is then doomed for
+the other classes. `evict_blocks(stranded_only=True)` searches a small class whole for stranded values and
+leaves the hand where it is.
 """
 
 from __future__ import annotations
@@ -41,10 +43,13 @@ class BlockClock:
         then freed: word bumped first, so a reader that found the entry before it went fails its second
         word check.
         """
+        if stranded_only and not self.relations.doomed_any():
+            return 0  # no doom was ever pushed: nothing is stranded
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
-        ring, rows, related = self._sweep(info, heads, m, stranded_only)
+        pick = self._stranded_anywhere if stranded_only else self._sweep
+        ring, rows, related = pick(info, heads, m)
         if not len(ring):
             return 0
         if related is not None:
@@ -63,10 +68,10 @@ class BlockClock:
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
         return freed
 
-    def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int, stranded_only: bool = False):
+    def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int):
         """Move the hand over at most two passes of the class's blocks until m victims are found:
-        (ring positions of the victims, their meta rows). The second pass takes the blocks whose `ref`
-        the first cleared.
+        (ring positions of the victims, their meta rows, (records, stranded through the parent) of the
+        related victims or None). The second pass takes the blocks whose `ref` the first cleared.
 
         The ring is read in chunks from the hand (a large class is not read whole to find a few
         victims); a chunk never spans the end of the first pass, so the second pass re-reads the ref bits
@@ -84,17 +89,10 @@ class BlockClock:
         rows: list[np.ndarray] = []
         related: list[tuple] = []
         got = t = 0
-        if stranded_only:  # the hand stays
-            if self.relations.enabled and n <= STRANDED_SCAN and self.relations.cursor():
-                got = self._stranded_anywhere(info, heads, m, picked, rows, related)
-            t = 2 * n
         while t < 2 * n and got < m:
             t1 = min(t + chunk, n if t < n else 2 * n)
             ring = (p + np.arange(t, t1, dtype=np.int64)) % n
-            g = (heads[ring // bps] * geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
-            q = self.metas.meta_q[g]
-            owner, ref, pinned = BlockMetas.columns(q)
-            eligible = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
+            g, q, eligible, ref = self._read(info, heads, ring)
             if t >= n and picked:
                 eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
             victims, chosen = self._choose(g, q, eligible, ref, m - got, related)
@@ -106,9 +104,8 @@ class BlockClock:
                 picked.append(ring[victims])
                 rows.append(q[victims])
             t += end
-        if not stranded_only:
-            pos = (p + t) % n
-            U64.pack_into(mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
+        pos = (p + t) % n
+        U64.pack_into(mm, co + CLS_HAND, (int(heads[pos // bps]) << 8) | (pos % bps))
         if not got:
             return np.zeros(0, dtype=np.int64), None, None
         doomed = None
@@ -116,26 +113,36 @@ class BlockClock:
             doomed = (np.concatenate([r for r, _ in related]), np.concatenate([b for _, b in related]))
         return np.concatenate(picked), np.concatenate(rows), doomed
 
-    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int, picked, rows, related) -> int:
-        """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks): the pages
-        of a request whose partner another class evicted are rarely near this class's hand."""
+    def _read(self, info: ClassInfo, heads: np.ndarray, ring: np.ndarray):
+        """Ring positions -> (granules, meta rows, eligible, ref set): a candidate is LIVE, unowned, unpinned."""
         geo, bps = self.slabs.geo, info.bps
-        ring = np.arange(len(heads) * bps, dtype=np.int64)
         g = (heads[ring // bps] * geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
         q = self.metas.meta_q[g]
-        owner, _, pinned = BlockMetas.columns(q)
-        eligible = ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned
+        owner, ref, pinned = BlockMetas.columns(q)
+        return g, q, ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
+
+    def searchable(self, info: ClassInfo, nslabs: int) -> bool:
+        """Is a class of this many slabs small enough to be searched whole for stranded values?"""
+        return self.relations.enabled and 0 < nslabs * info.bps <= STRANDED_SCAN
+
+    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int):
+        """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks; the hand
+        stays): the pages of a request whose partner another class evicted are rarely near this class's hand.
+        (ring positions, meta rows, (records, stranded through the parent)) as _sweep."""
+        none = np.zeros(0, dtype=np.int64), None, None
+        if not self.searchable(info, len(heads)):
+            return none
+        ring = np.arange(len(heads) * info.bps, dtype=np.int64)
+        g, q, eligible, _ = self._read(info, heads, ring)
         recs, valid = self.relations.of(g, q[:, 0])
         valid &= eligible
         if not valid.any():
-            return 0
+            return none
         by_group, by_parent = self.relations.stranded(recs, valid)
         victims = np.flatnonzero(valid & (by_group | by_parent))[:m]
-        if len(victims):
-            picked.append(ring[victims])
-            rows.append(q[victims])
-            related.append((recs[victims], by_parent[victims]))
-        return len(victims)
+        if not len(victims):
+            return none
+        return ring[victims], q[victims], (recs[victims], by_parent[victims])
 
     def _choose(self, g, q, eligible, ref, want: int, related: list):
         """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).

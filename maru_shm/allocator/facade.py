@@ -13,7 +13,7 @@ What only the layer above knows comes in through `host` (host.AllocatorHost).
 
 from __future__ import annotations
 
-from .blockclock import STRANDED_SCAN, BlockClock
+from .blockclock import BlockClock
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .demand import DemandPolicy
@@ -111,7 +111,7 @@ class Allocator:
         evictions (which take stranded values first)."""
         freed = 0
         for info in self.class_table.classes:
-            if info is None or not 0 < len(self.slabs.class_slabs(info.cid)) * info.bps <= STRANDED_SCAN:
+            if info is None or not self.clock.searchable(info, len(self.slabs.class_slabs(info.cid))):
                 continue
             with self.locks.class_lock(info.cid):
                 freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)

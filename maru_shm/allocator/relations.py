@@ -62,6 +62,10 @@ class Relations:
     def release_views(self) -> None:
         self.records = self.ring = None
 
+    def doomed_any(self) -> bool:
+        """Has any doom been pushed in this pool (can anything be stranded)?"""
+        return self.enabled and self.cursor() != 0
+
     def cursor(self) -> int:
         """Dooms pushed so far (mod 2^32); its low 16 bits are the `born` of a record written now."""
         return U32.unpack_from(self.mm, DOOM_CURSOR_OFF)[0]
