@@ -8,14 +8,16 @@ section 6a); this module writes them:
 - One set call is one *segment*. SGLang's keys arrive in chain order, so a key's position in the call is
   its position in the segment. With `hicache_storage_pass_prefix_keys: true` SGLang passes every key
   before the call's as `extra_info.prefix_keys`: the segment's parent is the one holding the last of them,
-  and its branch point that page's position there, both read from that page's own record. A parent that is no longer stored
-  makes the new segment stranded at birth: it is stored, and doomed at once (it can serve no prefix hit).
+  and its branch point that page's position there, both read from that page's own record. A parent that
+  is no longer stored makes the new segment stranded at birth: it is stored, and doomed at once (it can
+  serve no prefix hit).
 - The group is a hash of the last prefix key and the segment's first key, so every pool's pages of one
   request (v1 KV pages, v2 pages under the same keys) share it, and two continuations of one prefix do not.
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
   segment when it goes.
-- Reads that start mid-chain (SGLang holds the head in host memory) and writes of a suffix *touch* the
-  prefix keys, so a head is as used as its most used continuation.
+- Lookups that hit mid-chain (SGLang holds the head in host memory; `batch_exists` precedes every
+  prefetch, so the get that follows need not touch again) and writes of a suffix *touch* the prefix keys,
+  so a head is as used as its most used continuation.
 
 `maru_prefix_eviction: false` turns all of this off (the plain per-class CLOCK).
 """

@@ -181,7 +181,7 @@ class MaruStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
         local = self.local_exists(keys)
-        if local:
+        if local:  # SGLang asks this before every prefetch, with the same prefix_keys: the one place reads touch
             self.lineage.touch(extra_info)
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 
@@ -203,8 +203,6 @@ class MaruStorage(HiCacheStorage):
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Load pages into the host pool; True only where the stored value is exactly one page."""
         res = self.local_get_v1(keys, host_indices)
-        if res and res[0]:
-            self.lineage.touch(extra_info)
         return self.tiers.fill(keys, host_indices, res) if self.tiers is not None and keys else res
 
     def local_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
@@ -286,12 +284,13 @@ class MaruStorage(HiCacheStorage):
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
         local = self.hybrid.batch_exists_v2(keys, pool_transfers)
+        if local.kv_hit_pages:
+            self.lineage.touch(extra_info)
         return self.tiers.exists_v2(keys, pool_transfers, local) if self.tiers is not None else local
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
         res = self.hybrid.batch_io_v2(transfers, write=False)
-        self.lineage.touch(extra_info)
         return self.tiers.fill_v2(transfers, res) if self.tiers is not None else res
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
