@@ -71,6 +71,8 @@ def render(results: list[dict]) -> str:
             lines += render_tier2(r)
         elif r["scenario"] == "eviction":
             lines += render_eviction(r)
+        elif r["scenario"] == "prefixtree":
+            lines += render_prefixtree(r)
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
     return "\n".join(lines)
@@ -181,3 +183,18 @@ def _paired(row: dict, name: str) -> str:
     """Median [min-max] of the per-round ratios (ours and the peer timed back to back in each round)."""
     p = row.get(f"{name}_paired")
     return "n/a" if p is None else f"{p['median']:.2f} [{p['spread'][0]:.2f}-{p['spread'][1]:.2f}]"
+
+
+def render_prefixtree(r: dict) -> list[str]:
+    out = [f"prefixtree {r['requests']} requests, {r['pages']} pages of 128 KiB ({format_size(r['working_set_bytes'])} "
+           f"working set), {r['sessions']} sessions"]
+    for run in r["runs"].values():
+        c = {k: run[k] for k in ("ours", "today", "lru", "lru_held", "unbounded")}
+        out.append(
+            f"prefixtree {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens from L3 "
+            f"ours {c['ours']['tokens']:,} / LRU {c['lru']['tokens']:,} (x{c['ours']['tokens'] / max(1, c['lru']['tokens']):.3f}; "
+            f"LRU held {c['lru_held']['tokens']:,}) / plain CLOCK {c['today']['tokens']:,} / unbounded "
+            f"{c['unbounded']['tokens']:,}; gap won {c['ours']['gap_share']:+.2f} (plain {c['today']['gap_share']:+.2f}); "
+            f"usable/live {c['ours']['usable_live']:.3f} (plain {c['today']['usable_live']:.3f}, LRU "
+            f"{c['lru']['usable_live']:.3f}); usable/file {c['ours']['usable_file']:.3f}")
+    return out

@@ -15,6 +15,11 @@ Scenarios (all by default; pick with --only):
   eviction  a seeded Zipf(0.9) get-or-put trace over keys of 50-512 KiB at
             three pool sizes: hit ratio vs exact LRU given the pool's data
             bytes (and given the live bytes the store held), same trace.
+  prefixtree  an SGLang-like conversation trace (shared system prompts, turns,
+            Zipf returns) of 128 KiB page chains through MaruStorage, replayed
+            directly and through per-instance host caches with sticky routing,
+            at working sets 1.5x/3x/6x the pool: tokens served from L3 and
+            usable payload, vs exact LRU, an unbounded pool and the plain CLOCK.
   scaling   1, 2, 4, 8 processes on one pool, 50/50 get/put of 128 KiB
             values: aggregate ops/s, p50/p99 latency, lock time, vs the same
             processes doing plain 128 KiB copies into/out of a shared mapping.
@@ -38,12 +43,12 @@ import os
 import sys
 import time
 
-from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, scaling, tier2
+from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, prefixtree, scaling, tier2
 from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
-SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, scaling, tier2)
+SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, prefixtree, scaling, tier2)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -1,0 +1,84 @@
+"""The prefix-tree scenario of `maru-shm bench` (#19): its trace, its reference tiers, and a tiny run.
+
+Nothing here asserts a goal: only that the trace is the tree it claims to be, that the reference tiers
+are exact on hand-made cases, and that a run through the real MaruStorage produces sane figures (a pool
+that holds the whole working set serves exactly what an unbounded one does).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.benchmarks.prefixtree import MAX_CONTEXT, HostCache, LRUTier, Trace, _figures, prefixtree
+
+FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
+
+
+def test_trace_is_a_seeded_prefix_tree():
+    t = Trace(seed=5, requests=300, conversations=30)
+    assert Trace(seed=5, requests=300, conversations=30).requests == t.requests
+    assert len(set(t.keys)) == t.pages == len(t.parent)
+    for _, prompt, out in t.requests:
+        chain = prompt + out
+        assert len(chain) <= MAX_CONTEXT
+        assert t.parent[chain[0]] == -1  # every chain starts at a system prompt
+        assert all(t.parent[b] == a for a, b in zip(chain, chain[1:]))
+    roots = {p for p in range(t.pages) if t.parent[p] == -1}
+    assert 1 < len(roots) <= 12
+    on_leaf = {p for chain in t.leaves for p in chain}
+    assert on_leaf == set(range(t.pages))  # usable payload is measured over the leaves: they cover every page
+    # shared system prompts: some conversations start with the same page
+    starts = [prompt[0] for _, prompt, _ in t.requests]
+    assert len(set(starts)) < len({c for c, _, _ in t.requests})
+
+
+def test_lru_tier_exact_on_hand_made_case():
+    lru = LRUTier(3)
+    lru.set(["a", "b", "c"], [])
+    assert lru.exists(["a", "b", "x", "c"], []) == 2
+    lru.get(["a"], [])  # a becomes the most recent; b is now the oldest
+    lru.set(["d"], ["a", "b", "c"])
+    assert list(lru.items) == ["c", "a", "d"]
+    lru.set(["a", "e"], [])  # a present: not moved by a set; e evicts c
+    assert list(lru.items) == ["a", "d", "e"]
+    assert lru.live_bytes() == 3 * 128 * 1024
+    unbounded = LRUTier(None)
+    unbounded.set([str(i) for i in range(1000)], [])
+    assert len(unbounded.items) == 1000
+
+
+def test_host_cache_evicts_tails_first():
+    host = HostCache(4)
+    host.insert([1, 2, 3])
+    host.insert([1, 2, 7, 8])  # 3 is the oldest page: it goes, the shared head stays
+    assert host.held([1, 2, 3]) == 2
+    assert host.held([1, 2, 7, 8, 9]) == 4
+    assert host.held([5, 1]) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    # 0.8: a pool larger than the working set (nothing is evicted), 4: a pool that must evict
+    return prefixtree(requests=160, conversations=16, sizes=(0.8, 4.0))
+
+
+def test_tiny_run_structure_and_sanity(tiny):
+    assert tiny["pages"] > 0 and tiny["requests"] == 160
+    assert set(tiny["runs"]) == {"direct@0.8", "direct@4", "sglang@0.8", "sglang@4"}
+    for run in tiny["runs"].values():
+        top = run["unbounded"]
+        assert top["usable_live"] == 1.0 and top["tokens"] > 0
+        for name in ("ours", "today", "lru", "lru_held"):
+            r = run[name]
+            assert 0 <= r["tokens"] <= top["tokens"]
+            assert 0 < r["usable_live"] <= 1.0 and 0 < r["usable_file"] <= 1.0
+    for rep in ("direct", "sglang"):
+        whole = tiny["runs"][f"{rep}@0.8"]
+        # a pool that holds every page evicts nothing: it serves all an unbounded one does
+        assert whole["ours"]["tokens"] == whole["today"]["tokens"] == whole["unbounded"]["tokens"]
+        assert whole["ours"]["usable_live"] == pytest.approx(1.0, abs=1e-4)  # the backend keeps a few bytes of its own
+        small = tiny["runs"][f"{rep}@4"]
+        assert small["ours"]["tokens"] < small["unbounded"]["tokens"]  # a quarter of the tree cannot serve it all
+    figs = _figures(tiny)
+    assert figs and all(FIGURE_KEYS <= set(f) for f in figs)
+    assert any(f["name"].startswith("share of the gap") for f in figs)

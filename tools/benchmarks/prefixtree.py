@@ -1,0 +1,319 @@
+"""Prefix-tree scenario of `maru-shm bench`: an SGLang-like conversation trace through MaruStorage (#19).
+
+The trace (seeded, `Trace`): conversations open with one of a few shared system prompts (Zipf-popular),
+then grow turn by turn: each request is the conversation so far plus a new user message, and its answer is
+appended after it. Conversations come back with Zipf popularity; one that outgrows the context starts a new
+session on its system prompt. Every page is a 128 KiB KV page of Llama-3.1-8B at page_size 1 (one token
+per page), keyed like SGLang's page-hash chain: a page's key names its whole prefix.
+
+Two replays of the same trace:
+
+  direct     every request asks L3 for its whole prompt (batch_exists, then batch_get_v1 of the hit run)
+             and writes what L3 did not have (batch_set_v1 with prefix_keys, as SGLang's backup does);
+  SGLang-like  INSTANCES servers, each with its own host-memory cache (a page LRU touched tail to head,
+             so it evicts leaves first as SGLang's radix tree does) and mostly sticky routing. A request
+             first takes the leading run its instance holds in host memory, asks L3 only for the rest with
+             the held keys as `prefix_keys` (SGLang's `hicache_storage_pass_prefix_keys: true`), and
+             backs up what it computed. The hot heads of chains stay in host memory and look cold to L3.
+
+Contestants, each on the same replay:
+  ours        MaruStorage made by SGLang's backend factory (prefix-aware eviction, the default);
+  today       the same with `maru_prefix_eviction: false` (the plain per-class CLOCK);
+  LRU         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages): the
+              goal's peer;
+  LRU held    the same over the most pages the pool held (its data area less the space no slab of 16 MiB
+              fits in): the policy alone, without the capacity the slabs cost;
+  unbounded   a pool that never evicts: the most any policy can serve.
+
+Pool sizes are the trace's working set (every distinct page's bytes) over 1.5, 3 and 6. Tokens served
+from L3 count over the second half of the trace; usable payload (pages whose whole prefix is stored: a
+leading run of some chain) is the mean of samples over the second half, over the file and over the live
+payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections import OrderedDict
+
+import numpy as np
+
+from .hostpool import _host_pool, _storage_config, maru_extra
+from .registry import figure, pool_path, progress_of, scenario
+
+PAGE_BYTES = 128 << 10  # Llama-3.1-8B, bf16, page_size 1: one token per page
+SYSTEM_PROMPTS, SYSTEM_PAGES = 12, (8, 32)
+CONVERSATIONS, REQUESTS = 600, 4000
+ALPHA = 1.0  # Zipf popularity of conversations and of system prompts
+USER_PAGES, ANSWER_PAGES = (1, 4), (1, 6)
+MAX_CONTEXT = 120  # pages; one batch of SGLang's STORAGE_BATCH_SIZE (128) holds a whole chain
+INSTANCES, STICKY, HOST_SHARE = 4, 0.9, 1 / 12  # host pages per instance: HOST_SHARE x the working set
+SIZES = (1.5, 3.0, 6.0)  # working set / pool
+SAMPLES = 6  # usable-payload samples over the second half
+
+
+def _zipf(rng: random.Random, n: int, alpha: float) -> list[float]:
+    w = [1.0 / (k + 1) ** alpha for k in range(n)]
+    rng.shuffle(w)
+    return w
+
+
+class Trace:
+    """Requests as (conversation, prompt page ids, answer page ids); page p's parent is parent[p] (-1: root)."""
+
+    def __init__(self, seed: int = 11, requests: int = REQUESTS, conversations: int = CONVERSATIONS):
+        rng = random.Random(seed)
+        self.parent: list[int] = []
+        prompts = [self._chain(-1, rng.randint(*SYSTEM_PAGES)) for _ in range(SYSTEM_PROMPTS)]
+        sys_w = _zipf(rng, SYSTEM_PROMPTS, ALPHA)
+        system = rng.choices(range(SYSTEM_PROMPTS), weights=sys_w, k=conversations)
+        history = [list(prompts[s]) for s in system]
+        conv_w = _zipf(rng, conversations, ALPHA)
+        self.requests = []
+        self.leaves: list[list[int]] = []  # the last chain of every session: every stored page lies on one
+        for c in rng.choices(range(conversations), weights=conv_w, k=requests):
+            user, answer = rng.randint(*USER_PAGES), rng.randint(*ANSWER_PAGES)
+            if len(history[c]) + user + answer > MAX_CONTEXT:  # a new session on the same system prompt
+                self.leaves.append(history[c])
+                history[c] = list(prompts[system[c]])
+            prompt = history[c] + self._chain(history[c][-1], user)
+            out = self._chain(prompt[-1], answer)
+            self.requests.append((c, prompt, out))
+            history[c] = prompt + out
+        self.leaves += history
+        self.keys = [hashlib.sha256(b"prefixtree:%d:%d" % (seed, p)).hexdigest() for p in range(len(self.parent))]
+
+    def _chain(self, parent: int, n: int) -> list[int]:
+        first = len(self.parent)
+        for i in range(n):
+            self.parent.append(parent if i == 0 else first + i - 1)
+        return list(range(first, first + n))
+
+    @property
+    def pages(self) -> int:
+        return len(self.parent)
+
+
+class LRUTier:
+    """Exact per-object LRU of pages (capacity None: unbounded). Lookups do not touch, gets do."""
+
+    def __init__(self, capacity_pages: int | None):
+        self.capacity = capacity_pages
+        self.items: OrderedDict = OrderedDict()
+
+    def exists(self, keys, prefix) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.items:
+                break
+            n += 1
+        return n
+
+    def get(self, keys, prefix) -> None:
+        for k in keys:
+            self.items.move_to_end(k)
+
+    def set(self, keys, prefix) -> None:
+        items = self.items
+        for k in keys:
+            if k not in items:
+                items[k] = None
+        while self.capacity is not None and len(items) > self.capacity:
+            items.popitem(last=False)
+
+    def leading(self, keys) -> int:
+        return self.exists(keys, None)
+
+    def live_bytes(self) -> int:
+        return len(self.items) * PAGE_BYTES
+
+    def close(self) -> None:
+        pass
+
+
+class MaruTier:
+    """MaruStorage made by SGLang's dynamic backend factory over a real host pool, driven as SGLang does."""
+
+    def __init__(self, pool_size: int, prefix_eviction: bool, tag: str):
+        import torch
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        self._extra = HiCacheStorageExtraInfo
+        self.host = _host_pool(1, MAX_CONTEXT)
+        self.path = pool_path(tag)
+        extra = maru_extra(self.path, int(pool_size), maru_eager_map=False, maru_prefix_eviction=prefix_eviction)
+        self.backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), self.host)
+        self.backend.register_mem_pool_host(self.host)
+        self.idx = torch.arange(MAX_CONTEXT, dtype=torch.int64)
+        self.file_bytes = self.backend.store.stats()["file_bytes"]
+        self.data_bytes = self.backend.store.stats()["data_bytes"]
+
+    def _info(self, prefix):
+        return self._extra(prefix_keys=list(prefix))
+
+    def exists(self, keys, prefix) -> int:
+        return self.backend.batch_exists(keys, self._info(prefix))
+
+    def get(self, keys, prefix) -> None:
+        ok = self.backend.batch_get_v1(keys, self.idx[:len(keys)], self._info(prefix))
+        assert all(ok), "a page batch_exists reported is gone (nothing else writes this pool)"
+
+    def set(self, keys, prefix) -> None:
+        ok = self.backend.batch_set_v1(keys, self.idx[:len(keys)], self._info(prefix))
+        assert all(ok), "a set failed"
+
+    def leading(self, keys) -> int:
+        return self.backend.local_exists(keys)  # no touch: measuring must not change what is evicted
+
+    def live_bytes(self) -> int:
+        return self.backend.store.stats()["live_bytes"]
+
+    def close(self) -> None:
+        self.backend.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def _usable(trace: Trace, tier) -> int:
+    """Bytes of the pages some chain reaches as a leading run (each page once)."""
+    seen: set[int] = set()
+    for chain in trace.leaves:
+        m = tier.leading([trace.keys[p] for p in chain])
+        seen.update(chain[:m])
+    return len(seen) * PAGE_BYTES
+
+
+class HostCache:
+    """One instance's host memory: a page LRU, touched tail to head so a chain leaves tail first."""
+
+    def __init__(self, capacity_pages: int):
+        self.capacity = capacity_pages
+        self.items: OrderedDict = OrderedDict()
+
+    def held(self, chain) -> int:
+        n = 0
+        for p in chain:
+            if p not in self.items:
+                break
+            n += 1
+        return n
+
+    def insert(self, chain) -> None:
+        items = self.items
+        for p in reversed(chain):
+            items[p] = None
+            items.move_to_end(p)
+        while len(items) > self.capacity:
+            items.popitem(last=False)
+
+
+def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3) -> dict:
+    """Tokens served from L3 over the second half, and usable / live payload samples over it."""
+    rng = random.Random(seed)
+    hosts = [HostCache(max(MAX_CONTEXT, int(trace.pages * HOST_SHARE))) for _ in range(INSTANCES)]
+    keys, n = trace.keys, len(trace.requests)
+    half = n // 2
+    sample_at = {half + (n - half) * (i + 1) // SAMPLES - 1 for i in range(SAMPLES)}
+    served = asked = 0
+    usable, live = [], []
+    for i, (c, prompt, out) in enumerate(trace.requests):
+        host = None
+        if sglang_like:
+            home = c % INSTANCES if rng.random() < STICKY else rng.randrange(INSTANCES)
+            host = hosts[home]
+        chain = [keys[p] for p in prompt]
+        h = host.held(prompt) if host is not None else 0
+        m = 0
+        if h < len(chain):
+            m = tier.exists(chain[h:], chain[:h])
+            if m:
+                tier.get(chain[h:h + m], chain[:h])
+        full = chain + [keys[p] for p in out]
+        if h + m < len(full):
+            tier.set(full[h + m:], full[:h + m])
+        if host is not None:
+            host.insert(prompt + out)
+        if i >= half:
+            served += m
+            asked += len(chain) - h
+        if i in sample_at:
+            usable.append(_usable(trace, tier))
+            live.append(tier.live_bytes())
+        if i % 64 == 0:
+            progress(i / n)
+    return {"tokens": served, "asked": asked, "usable": float(np.mean(usable)), "live": float(np.mean(live)),
+            "live_max": int(max(live))}
+
+
+def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f: None) -> dict:
+    """Every contestant at one pool size and replay: tokens served, usable / file, usable / live."""
+    out = {}
+    for name, prefix in (("ours", True), ("today", False)):
+        tier = MaruTier(pool_size, prefix, f"prefixtree-{name}")
+        try:
+            r = replay(trace, tier, sglang_like, progress)
+            r.update(file_bytes=tier.file_bytes, data_bytes=tier.data_bytes)
+            assert tier.backend.store.check().ok
+        finally:
+            tier.close()
+        out[name] = r
+    ours = out["ours"]
+    held = ours["live_max"] // PAGE_BYTES  # the pages the pool itself held: LRU with the pool's own capacity
+    for name, cap in (("lru", ours["data_bytes"] // PAGE_BYTES), ("lru_held", held), ("unbounded", None)):
+        r = replay(trace, LRUTier(cap), sglang_like)
+        r.update(file_bytes=ours["file_bytes"], data_bytes=ours["data_bytes"], capacity_pages=cap)
+        out[name] = r
+    for r in out.values():
+        r["usable_file"] = r["usable"] / r["file_bytes"]
+        r["usable_live"] = r["usable"] / r["live"] if r["live"] else 1.0
+    lru, top = out["lru"]["tokens"], out["unbounded"]["tokens"]
+    for r in out.values():
+        r["gap_share"] = (r["tokens"] - lru) / (top - lru) if top > lru else 0.0
+    return out
+
+
+def prefixtree(seed: int = 11, sizes=SIZES, progress=lambda f, note="": None, requests: int = REQUESTS,
+               conversations: int = CONVERSATIONS) -> dict:
+    trace = Trace(seed, requests, conversations)
+    working_set = trace.pages * PAGE_BYTES
+    runs = {}
+    steps = [(r, s) for r in ("direct", "sglang") for s in sizes]
+    for k, (rep, ratio) in enumerate(steps):
+        pool = int(working_set / ratio)
+        note = f"{rep} replay, working set {ratio:g}x the pool"
+        res = run_size(trace, pool, rep == "sglang", lambda f: progress((k + f) / len(steps), note))
+        runs[f"{rep}@{ratio:g}"] = {"replay": rep, "ratio": ratio, "pool_bytes": pool, **res}
+    return {"working_set_bytes": working_set, "pages": trace.pages, "requests": len(trace.requests),
+            "sessions": len(trace.leaves), "runs": runs}
+
+
+NAME = "prefixtree"
+
+
+def _figures(r: dict) -> list:
+    figs = []
+    for key, run in r["runs"].items():
+        ours, lru, today, top = run["ours"], run["lru"], run["today"], run["unbounded"]
+        where = f"{run['replay']} replay, working set {run['ratio']:g}x pool"
+        figs.append(figure(f"tokens from L3, {where}", ours["tokens"], lru["tokens"], "exact per-object LRU",
+                           goal=">= LRU", met=ours["tokens"] >= lru["tokens"], today=today["tokens"],
+                           unbounded=top["tokens"]))
+        figs.append(figure(f"usable / live payload, {where}", ours["usable_live"], today["usable_live"],
+                           "maru_prefix_eviction false", goal=">= 0.95", met=ours["usable_live"] >= 0.95,
+                           lru=lru["usable_live"]))
+        figs.append(figure(f"usable payload / file, {where}", ours["usable_file"], today["usable_file"],
+                           "maru_prefix_eviction false", lru=lru["usable_file"]))
+        if run["replay"] == "sglang" and run["ratio"] >= 3:
+            figs.append(figure(f"share of the gap LRU -> unbounded won, {where}", ours["gap_share"],
+                               today["gap_share"], "maru_prefix_eviction false", goal=">= 0.25",
+                               met=ours["gap_share"] >= 0.25, better="higher"))
+    return figs
+
+
+@scenario(NAME)
+def bench_prefixtree(args) -> dict:
+    r = prefixtree(progress=progress_of(args))
+    return {"scenario": NAME, **r, "figures": _figures(r)}
