@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tools.benchmarks.prefixtree import MAX_CONTEXT, HostCache, LRUTier, Trace, _figures, prefixtree
+from tools.benchmarks.prefixtree import MAX_CONTEXT, PAGE_BYTES, HostCache, LRUTier, Trace, _figures, prefixtree
+from tools.benchmarks.prefixtree_hybrid import HybridLRUTier, hybrid_model
 
 FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
 
@@ -33,7 +34,7 @@ def test_trace_is_a_seeded_prefix_tree():
 
 
 def test_lru_tier_exact_on_hand_made_case():
-    lru = LRUTier(3)
+    lru = LRUTier(3 * PAGE_BYTES + 5)  # three pages
     lru.set(["a", "b", "c"], [])
     assert lru.exists(["a", "b", "x", "c"], []) == 2
     lru.get(["a"], [])  # a becomes the most recent; b is now the oldest
@@ -41,7 +42,7 @@ def test_lru_tier_exact_on_hand_made_case():
     assert list(lru.items) == ["c", "a", "d"]
     lru.set(["a", "e"], [])  # a present: not moved by a set; e evicts c
     assert list(lru.items) == ["a", "d", "e"]
-    assert lru.live_bytes() == 3 * 128 * 1024
+    assert lru.live_bytes() == 3 * PAGE_BYTES and lru.restorable(["a", "d"]) == (2, [])
     unbounded = LRUTier(None)
     unbounded.set([str(i) for i in range(1000)], [])
     assert len(unbounded.items) == 1000
@@ -54,6 +55,22 @@ def test_host_cache_evicts_tails_first():
     assert host.held([1, 2, 3]) == 2
     assert host.held([1, 2, 7, 8, 9]) == 4
     assert host.held([5, 1]) == 0
+
+
+def test_hybrid_lru_follows_batch_exists_v2():
+    HybridLRUTier.sized({"c1": 10, "c4": 3, "swa": 4})
+    lru = HybridLRUTier(None)
+    lru.set(["a", "b", "c"], [])  # one set call: a window page at c only
+    lru.set(["d", "e"], ["a", "b", "c"])
+    assert lru.restorable(["a", "b", "c", "d", "e", "f"]) == (5, [3, 5])
+    assert lru.exists(["a", "b"], []) == 0  # no window page ends this prefix
+    assert lru.live_bytes() == 5 * 13 + 2 * 4
+    del lru.items[("c4", "d")]  # one pool's page gone: the prefix stops before it
+    assert lru.restorable(["a", "b", "c", "d", "e"]) == (3, [3])
+    small = HybridLRUTier(3 * 13 + 4)
+    small.set(["a", "b", "c"], [])
+    small.set(["d"], ["a", "b", "c"])  # evicts the oldest objects: a's pages
+    assert small.used <= 3 * 13 + 4 and small.exists(["a", "b", "c"], []) == 0
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +99,14 @@ def test_tiny_run_structure_and_sanity(tiny):
     figs = _figures(tiny)
     assert figs and all(FIGURE_KEYS <= set(f) for f in figs)
     assert any(f["name"].startswith("share of the gap") for f in figs)
+
+
+def test_tiny_hybrid_run_matches_the_unbounded_pool_when_nothing_is_evicted():
+    r = prefixtree(requests=60, conversations=8, sizes=(0.8,), model=hybrid_model())
+    assert r["model"] == "hybrid"
+    for rep in ("direct", "sglang"):
+        run = r["runs"][f"{rep}@0.8"]
+        # MaruStorage's batch_exists_v2 and the LRU's mirror of its rule agree where nothing is evicted
+        assert run["ours"]["tokens"] == run["unbounded"]["tokens"] > 0
+        assert run["unbounded"]["usable_live"] == pytest.approx(1.0)
+        assert run["ours"]["usable_live"] == pytest.approx(1.0, abs=1e-3)

@@ -37,26 +37,26 @@ CHURN = 6  # bytes written, in pool sizes; the figures are taken over the second
 RATIOS = {"deepseek_v4_c1": 1, "deepseek_v4_c2": 2, "deepseek_v4_c4": 4, "deepseek_v4_c128": 128}
 
 
-def _v4_pool(name: str, rows: int, slot_page: int, pages: int):
+def _v4_pool(name: str, rows: int, slot_page: int, pages: int, layers: int = LAYERS):
     import torch
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     dev = DeepSeekV4SingleKVPool(size=rows * 2, page_size=rows, dtype=torch.float8_e4m3fn, qk_nope_head_dim=448,
-                                 qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
+                                 qk_rope_head_dim=64, layer_num=layers, device="cpu", enable_memory_saver=False)
     return DeepSeekV4PagedHostPool(pool_name=name, device_buffers=dev.kv_buffer, item_bytes=dev.bytes_per_page_padded,
                                    num_host_pages=pages, slot_page_size=slot_page, layout="page_first_direct",
                                    device="cpu", pin_memory=False)
 
 
-def _indexer_pool(pages: int):
+def _indexer_pool(pages: int, layers: int = LAYERS):
     import torch
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4IndexerPool
     from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
 
     rows = PAGE // 4
     dev = DeepSeekV4IndexerPool(size=rows * 2, page_size=rows, dtype=torch.bfloat16, index_head_dim=128,
-                                layer_num=LAYERS, device="cpu", enable_memory_saver=False, use_fp4_indexer=False)
+                                layer_num=layers, device="cpu", enable_memory_saver=False, use_fp4_indexer=False)
     bufs = dev.index_k_with_scale_buffer
     return DeepSeekV4PagedHostPool(pool_name="deepseek_v4_c4_indexer", device_buffers=bufs,
                                    item_bytes=bufs[0].shape[1] * bufs[0].element_size(), num_host_pages=pages,

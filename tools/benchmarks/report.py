@@ -186,15 +186,18 @@ def _paired(row: dict, name: str) -> str:
 
 
 def render_prefixtree(r: dict) -> list[str]:
-    out = [f"prefixtree {r['requests']} requests, {r['pages']} pages of 128 KiB ({format_size(r['working_set_bytes'])} "
-           f"working set), {r['sessions']} sessions"]
-    for run in r["runs"].values():
-        c = {k: run[k] for k in ("ours", "today", "lru", "lru_held", "unbounded")}
-        out.append(
-            f"prefixtree {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens from L3 "
-            f"ours {c['ours']['tokens']:,} / LRU {c['lru']['tokens']:,} (x{c['ours']['tokens'] / max(1, c['lru']['tokens']):.3f}; "
-            f"LRU held {c['lru_held']['tokens']:,}) / plain CLOCK {c['today']['tokens']:,} / unbounded "
-            f"{c['unbounded']['tokens']:,}; gap won {c['ours']['gap_share']:+.2f} (plain {c['today']['gap_share']:+.2f}); "
-            f"usable/live {c['ours']['usable_live']:.3f} (plain {c['today']['usable_live']:.3f}, LRU "
-            f"{c['lru']['usable_live']:.3f}); usable/file {c['ours']['usable_file']:.3f}")
+    out = []
+    for m in r["models"].values():
+        out.append(f"prefixtree {m['model']} model: {m['requests']} requests, {m['pages']} pages "
+                   f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions")
+        for run in m["runs"].values():
+            c = {k: run[k] for k in ("ours", "today", "lru", "lru_held", "unbounded")}
+            out.append(
+                f"prefixtree {m['model']} {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): "
+                f"tokens from L3 ours {c['ours']['tokens']:,} / LRU {c['lru']['tokens']:,} "
+                f"(x{c['ours']['tokens'] / max(1, c['lru']['tokens']):.3f}; LRU held {c['lru_held']['tokens']:,}) / "
+                f"plain CLOCK {c['today']['tokens']:,} / unbounded {c['unbounded']['tokens']:,}; gap won "
+                f"{c['ours']['gap_share']:+.2f} (plain {c['today']['gap_share']:+.2f}); usable/live "
+                f"{c['ours']['usable_live']:.3f} (plain {c['today']['usable_live']:.3f}, LRU "
+                f"{c['lru']['usable_live']:.3f}); usable/file {c['ours']['usable_file']:.3f}")
     return out

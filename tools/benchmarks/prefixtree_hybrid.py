@@ -1,0 +1,155 @@
+"""The prefix-tree trace for a DeepSeek-V4-like hybrid model: every page in six pools, through MaruStorage v2.
+
+The `hybrid` scenario's pools (compressed KV at ratios 1/2/4/128, the c4 indexer, a sliding window) and its
+calls, as SGLang's HybridCacheController makes them: a set is `batch_set_v1` of the KV markers (the logical
+anchor) and `batch_set_v2` of one PoolTransfer per pool, the SWA pool naming only the call's last key
+(`TRAILING_PAGES`); a lookup is `batch_exists_v2` (its `kv_hit_pages`: a prefix is restorable only where every
+pool has its pages and the window its trailing page); a read is `batch_get_v1` + `batch_get_v2` of the hit run.
+Pages are 256 tokens, so the trace's chains are shorter than the plain model's (`HYBRID`), and each pool has
+fewer layers than the `hybrid` scenario's (`LAYERS`) to keep the working set near the plain trace's.
+
+Its per-object LRU charges each pool's page separately (the 0-byte KV markers are left out), and a prefix is
+a hit under the same rule as batch_exists_v2's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .hybrid import PAGE, RATIOS, SWA_PAGE, _indexer_pool, _v4_pool
+from .prefixtree import MaruBackend, Model, Shape
+
+HYBRID = Shape((2, 8), (1, 2), (1, 2), 40)
+LAYERS = 3  # per compressed pool
+REQUESTS, CONVERSATIONS = 1500, 200
+
+
+def _config(extra: dict):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="deepseek-ai/DeepSeek-V4-like", extra_config=extra)
+
+
+def _pools(pages: int) -> dict:
+    pools = {name: _v4_pool(name, PAGE // r, PAGE, pages, LAYERS) for name, r in RATIOS.items()}
+    pools["deepseek_v4_c4_indexer"] = _indexer_pool(pages, LAYERS)
+    pools["swa"] = _v4_pool("swa", SWA_PAGE, SWA_PAGE, 2, LAYERS)
+    return pools
+
+
+class HybridMaruTier(MaruBackend):
+    """The hybrid model's pages through MaruStorage, registered as HybridCacheController registers them."""
+
+    def __init__(self, pool_size: int, prefix_eviction: bool, tag: str):
+        import torch
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+        n = HYBRID.max_context
+        anchor = LogicalHostPool(n * PAGE, PAGE, layout="page_first_direct")
+        super().__init__(pool_size, prefix_eviction, tag, anchor, _config)
+        b = self.backend
+        b.register_mem_host_pool_v2(anchor, PoolName.KV)
+        pools = _pools(n)
+        for name, host in pools.items():
+            b.register_mem_host_pool_v2(host, PoolName(name))
+        b.on_host_pools_registered()
+        self.sizes = sizes = {name: b.hybrid.pools[name].page_bytes for name in pools}
+        self.full = [name for name in pools if name != "swa"]
+        self.page_bytes, self.trailing_bytes = sum(sizes[x] for x in self.full), sizes["swa"]
+        self._t, self._name, self._trailing = PoolTransfer, PoolName, PoolHitPolicy.TRAILING_PAGES
+        self.kv_idx = torch.arange(n * PAGE, dtype=torch.int64)
+        self.swa_idx = torch.arange(SWA_PAGE, dtype=torch.int64)
+        self.query = [PoolTransfer(name=PoolName(x)) for x in self.full]
+        self.query.append(PoolTransfer(name=PoolName.SWA, keys=["w"], hit_policy=self._trailing))
+
+    def _transfers(self, keys) -> list:
+        idx = self.kv_idx[:len(keys) * PAGE]
+        out = [self._t(name=self._name(x), keys=keys, host_indices=idx, indices_from_pool=self._name.KV)
+               for x in self.full]
+        out.append(self._t(name=self._name.SWA, keys=keys[-1:], hit_policy=self._trailing,
+                           host_indices=self.swa_idx))
+        return out
+
+    def exists(self, keys, prefix) -> int:
+        return self.backend.batch_exists_v2(keys, self.query, self.info(prefix)).kv_hit_pages
+
+    def get(self, keys, prefix) -> None:
+        info = self.info(prefix)
+        ok = self.backend.batch_get_v1(keys, self.kv_idx[:len(keys) * PAGE], info)
+        res = self.backend.batch_get_v2(self._transfers(keys), info)
+        assert all(ok) and all(all(v) for v in res.values()), "a restorable page batch_exists_v2 reported is gone"
+
+    def set(self, keys, prefix) -> None:
+        info = self.info(prefix)
+        ok = self.backend.batch_set_v1(keys, self.kv_idx[:len(keys) * PAGE], info)
+        res = self.backend.batch_set_v2(self._transfers(keys), info)
+        assert all(ok) and all(all(v) for v in res.values()), "a set failed"
+
+    def restorable(self, keys) -> tuple[int, list]:
+        r = self.backend.batch_exists_v2(keys, self.query)  # no prefix keys: no touch
+        return r.kv_hit_pages, list(r.restorable_prefix_pages or [])
+
+
+class HybridLRUTier:
+    """Exact per-object LRU over a byte capacity (None: unbounded): every pool's page is its own object."""
+
+    def __init__(self, capacity_bytes: int | None):
+        self.capacity = capacity_bytes
+        self.used = 0
+        self.items: OrderedDict = OrderedDict()
+
+    @classmethod
+    def sized(cls, sizes: dict) -> None:
+        """The page bytes of each pool (from a HybridMaruTier: the pools' own arithmetic)."""
+        cls.sizes = dict(sizes)
+        cls.full = [x for x in sizes if x != "swa"]
+        cls.page_bytes, cls.trailing_bytes = sum(sizes[x] for x in cls.full), sizes["swa"]
+
+    def exists(self, keys, prefix) -> int:
+        at = self.restorable(keys)[1]
+        return at[-1] if at else 0
+
+    def restorable(self, keys) -> tuple[int, list]:
+        """batch_exists_v2's rule: a prefix whose pages every full pool holds, ending on a stored window page."""
+        items, lead, at = self.items, 0, []
+        for k in keys:
+            if not all((x, k) in items for x in self.full):
+                break
+            lead += 1
+            if ("swa", k) in items:
+                at.append(lead)
+        return (at[-1] if at else 0), at
+
+    def _objects(self, keys):
+        return [(x, k) for k in keys for x in self.full] + ([("swa", keys[-1])] if keys else [])
+
+    def get(self, keys, prefix) -> None:
+        for o in self._objects(keys):
+            self.items.move_to_end(o)
+
+    def set(self, keys, prefix) -> None:
+        items = self.items
+        for o in self._objects(keys):
+            if o not in items:
+                items[o] = self.sizes[o[0]]
+                self.used += items[o]
+        while self.capacity is not None and self.used > self.capacity:
+            self.used -= items.popitem(last=False)[1]
+
+    def live_bytes(self) -> int:
+        return self.used
+
+    def close(self) -> None:
+        pass
+
+
+def hybrid_model() -> Model:
+    """The model, its LRU sized from a scratch HybridMaruTier's pools."""
+    probe = HybridMaruTier(256 << 20, True, "prefixtree-probe")
+    try:
+        HybridLRUTier.sized(probe.sizes)
+    finally:
+        probe.close()
+    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier, HybridLRUTier)
