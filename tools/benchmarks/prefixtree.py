@@ -214,9 +214,10 @@ class Model(NamedTuple):
     conversations: int
     maru: object
     lru: object
+    page_tokens: int
 
 
-PLAIN_MODEL = Model("plain", PLAIN, REQUESTS, CONVERSATIONS, MaruTier, LRUTier)
+PLAIN_MODEL = Model("plain", PLAIN, REQUESTS, CONVERSATIONS, MaruTier, LRUTier, 1)
 
 
 def _usable(trace: Trace, tier) -> int:
@@ -256,7 +257,7 @@ class HostCache:
 
 
 def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3) -> dict:
-    """Tokens served from L3 over the second half, and usable / live payload samples over it."""
+    """Pages served from L3 over the second half (and asked of it), and usable / live payload samples."""
     rng = random.Random(seed)
     hosts = [HostCache(max(trace.shape.max_context, int(trace.pages * HOST_SHARE))) for _ in range(INSTANCES)]
     keys, n = trace.keys, len(trace.requests)
@@ -289,7 +290,7 @@ def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed:
             live.append(tier.live_bytes())
         if i % 64 == 0:
             progress(i / n)
-    return {"tokens": served, "asked": asked, "usable": float(np.mean(usable)), "live": float(np.mean(live)),
+    return {"pages": served, "asked": asked, "usable": float(np.mean(usable)), "live": float(np.mean(live)),
             "live_max": int(max(live))}
 
 
@@ -313,6 +314,7 @@ def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f:
         r.update(file_bytes=ours["file_bytes"], data_bytes=ours["data_bytes"], capacity_pages=cap)
         out[name] = r
     for r in out.values():
+        r["tokens"] = r["pages"] * model.page_tokens
         r["usable_file"] = r["usable"] / r["file_bytes"]
         r["usable_live"] = r["usable"] / r["live"] if r["live"] else 1.0
     lru, top = out["lru"]["tokens"], out["unbounded"]["tokens"]

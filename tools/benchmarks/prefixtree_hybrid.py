@@ -152,4 +152,4 @@ def hybrid_model() -> Model:
         HybridLRUTier.sized(probe.sizes)
     finally:
         probe.close()
-    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier, HybridLRUTier)
+    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier, HybridLRUTier, PAGE)
