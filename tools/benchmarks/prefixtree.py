@@ -207,7 +207,8 @@ class MaruTier(MaruBackend):
 
 
 class Model(NamedTuple):
-    """A model's trace shape and its contestants: maru(pool_size, prefix_eviction, tag), lru(capacity_bytes)."""
+    """A model's trace shape, its contestants (maru(pool_size, prefix_eviction, tag), lru(capacity_bytes)) and
+    the tokens in one of its pages."""
     name: str
     shape: Shape
     requests: int
