@@ -13,6 +13,8 @@ import struct
 import time
 import zlib
 
+import numpy as np
+
 from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
 
@@ -100,6 +102,11 @@ def next_word(word: int, state: int) -> int:
     """The block meta word of the next lifetime: counter + 1 (wrapping at 62 bits: a damaged word may
     hold any value, and a word must stay a u64), then the new state."""
     return ((((word >> 2) + 1) << 2) & 0xFFFF_FFFF_FFFF_FFFC) | state
+
+
+def next_words(words, state: int):
+    """next_word over a uint64 array (the u64 arithmetic wraps as the mask does)."""
+    return (((words >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(state)
 
 
 def store_u64(buf, off: int, value: int) -> None:

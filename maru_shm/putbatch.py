@@ -23,7 +23,7 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .errors import StoreError
-from .format import LIVE, META_OWNER_OFF, U16, U64, next_word, store_u64
+from .format import LIVE, META_OWNER_OFF, U16, U64, next_word, next_words, store_u64
 from .validity import granule_shift
 
 
@@ -124,7 +124,7 @@ class VectorPut(_PutBatch):
         reserved = att.alloc.meta_words[self.gidx]
         # Everything the commit and the index insert need that the copy does not change is computed now,
         # while the caches still hold it: the batch's copy is larger than they are.
-        self.live = (((reserved >> 2) + 1) << 2) | LIVE
+        self.live = next_words(reserved, LIVE)
         halves = self.darr.view("<u8")
         self.halves = halves if self.in_key_order else halves[self.placed_i]
         index = att.index

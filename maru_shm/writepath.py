@@ -16,7 +16,7 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import StoreError
-from .format import LIVE, META_OWNER_OFF, U16, U64
+from .format import LIVE, META_OWNER_OFF, U16, U64, next_words
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
 from .resolve import resolve
@@ -131,8 +131,7 @@ class WritePath:
         reserved = batch.reserved()
         held.update(zip(batch.placed_off, reserved))
         if relations is not None:
-            words = np.asarray(reserved, dtype=np.uint64)
-            lives = (((words >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(LIVE)
+            lives = next_words(np.asarray(reserved, dtype=np.uint64), LIVE)
             self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
             if _cp.ARMED is not None:
                 _cp.hit("put.after_relations")

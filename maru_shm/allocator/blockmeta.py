@@ -13,7 +13,7 @@ import struct
 import numpy as np
 
 from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
-                      RESERVED, U16, U64, next_word, store_u64)
+                      RESERVED, U16, U64, next_word, next_words, store_u64)
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
 # costs a few microseconds whatever its length, which only pays off over many keys.
@@ -96,7 +96,7 @@ class BlockMetas:
         """
         g = np.asarray(offsets, dtype=np.int64) >> self.shift
         q = self.meta_q
-        q[g, 0] = (((q[g, 0] >> 2) + 1) << 2) | RESERVED
+        q[g, 0] = next_words(q[g, 0], RESERVED)
         q[g, 1] = dig[:, 0]
         q[g, 2] = dig[:, 1]
         q[g, 3] = lengths | np.uint64(owner << _OWNER_SHIFT)  # ref 0, flags 0 (a new lifetime is not pinned)
@@ -121,5 +121,5 @@ class BlockMetas:
     def free_many(self, g: np.ndarray) -> None:
         """End the lifetimes of a batch of granules' blocks: every word first, then owner, ref and flags."""
         q = self.meta_q
-        q[g, 0] = (((q[g, 0] >> np.uint64(2)) + np.uint64(1)) << np.uint64(2)) | np.uint64(FREE)
+        q[g, 0] = next_words(q[g, 0], FREE)
         q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept
