@@ -58,8 +58,8 @@ def test_host_cache_evicts_tails_first():
 
 
 def test_hybrid_lru_follows_batch_exists_v2():
-    HybridLRUTier.sized({"c1": 10, "c4": 3, "swa": 4})
-    lru = HybridLRUTier(None)
+    sizes = {"c1": 10, "c4": 3, "swa": 4}
+    lru = HybridLRUTier(None, sizes)
     lru.set(["a", "b", "c"], [])  # one set call: a window page at c only
     lru.set(["d", "e"], ["a", "b", "c"])
     assert lru.restorable(["a", "b", "c", "d", "e", "f"]) == (5, [3, 5])
@@ -67,7 +67,7 @@ def test_hybrid_lru_follows_batch_exists_v2():
     assert lru.live_bytes() == 5 * 13 + 2 * 4
     del lru.items[("c4", "d")]  # one pool's page gone: the prefix stops before it
     assert lru.restorable(["a", "b", "c", "d", "e"]) == (3, [3])
-    small = HybridLRUTier(3 * 13 + 4)
+    small = HybridLRUTier(3 * 13 + 4, sizes)
     small.set(["a", "b", "c"], [])
     small.set(["d"], ["a", "b", "c"])  # evicts the oldest objects: a's pages
     assert small.used <= 3 * 13 + 4 and small.exists(["a", "b", "c"], []) == 0

@@ -66,6 +66,16 @@ SIZES = (1.5, 3.0, 6.0)  # working set / pool
 SAMPLES = 6  # usable-payload samples over the second half
 
 
+def leading_run(items, keys) -> int:
+    """How many of `keys`, from the first, are in `items`."""
+    n = 0
+    for k in keys:
+        if k not in items:
+            break
+        n += 1
+    return n
+
+
 def _zipf(rng: random.Random, n: int, alpha: float) -> list[float]:
     w = [1.0 / (k + 1) ** alpha for k in range(n)]
     rng.shuffle(w)
@@ -121,12 +131,7 @@ class LRUTier:
         self.items: OrderedDict = OrderedDict()
 
     def exists(self, keys, prefix) -> int:
-        n = 0
-        for k in keys:
-            if k not in self.items:
-                break
-            n += 1
-        return n
+        return leading_run(self.items, keys)
 
     def get(self, keys, prefix) -> None:
         for k in keys:
@@ -241,12 +246,7 @@ class HostCache:
         self.items: OrderedDict = OrderedDict()
 
     def held(self, chain) -> int:
-        n = 0
-        for p in chain:
-            if p not in self.items:
-                break
-            n += 1
-        return n
+        return leading_run(self.items, chain)
 
     def insert(self, chain) -> None:
         items = self.items

@@ -14,6 +14,7 @@ a hit under the same rule as batch_exists_v2's.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 from .hybrid import PAGE, RATIOS, SWA_PAGE, _indexer_pool, _v4_pool
@@ -95,17 +96,14 @@ class HybridMaruTier(MaruBackend):
 class HybridLRUTier:
     """Exact per-object LRU over a byte capacity (None: unbounded): every pool's page is its own object."""
 
-    def __init__(self, capacity_bytes: int | None):
+    def __init__(self, capacity_bytes: int | None, sizes: dict):
+        """sizes: the page bytes of each pool (a HybridMaruTier's: the pools' own arithmetic)."""
         self.capacity = capacity_bytes
         self.used = 0
         self.items: OrderedDict = OrderedDict()
-
-    @classmethod
-    def sized(cls, sizes: dict) -> None:
-        """The page bytes of each pool (from a HybridMaruTier: the pools' own arithmetic)."""
-        cls.sizes = dict(sizes)
-        cls.full = [x for x in sizes if x != "swa"]
-        cls.page_bytes, cls.trailing_bytes = sum(sizes[x] for x in cls.full), sizes["swa"]
+        self.sizes = dict(sizes)
+        self.full = [x for x in sizes if x != "swa"]
+        self.page_bytes, self.trailing_bytes = sum(sizes[x] for x in self.full), sizes["swa"]
 
     def exists(self, keys, prefix) -> int:
         at = self.restorable(keys)[1]
@@ -113,11 +111,10 @@ class HybridLRUTier:
 
     def restorable(self, keys) -> tuple[int, list]:
         """batch_exists_v2's rule: a prefix whose pages every full pool holds, ending on a stored window page."""
-        items, lead, at = self.items, 0, []
-        for k in keys:
+        items, at = self.items, []
+        for lead, k in enumerate(keys, 1):
             if not all((x, k) in items for x in self.full):
                 break
-            lead += 1
             if ("swa", k) in items:
                 at.append(lead)
         return (at[-1] if at else 0), at
@@ -149,7 +146,8 @@ def hybrid_model() -> Model:
     """The model, its LRU sized from a scratch HybridMaruTier's pools."""
     probe = HybridMaruTier(256 << 20, True, "prefixtree-probe")
     try:
-        HybridLRUTier.sized(probe.sizes)
+        sizes = probe.sizes
     finally:
         probe.close()
-    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier, HybridLRUTier, PAGE)
+    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier,
+                 functools.partial(HybridLRUTier, sizes=sizes), PAGE)
