@@ -9,6 +9,7 @@ from __future__ import annotations
 from .format import COUNTER_NAMES, N_COUNTERS
 
 _POSITION = {name: i for i, name in enumerate(COUNTER_NAMES)}
+_HITS, _MISSES, _BYTES_READ = _POSITION["hits"], _POSITION["misses"], _POSITION["bytes_read"]
 
 
 class Counters:
@@ -21,6 +22,18 @@ class Counters:
         values = self.values
         for name, v in counters.items():
             values[_POSITION[name]] += v
+
+    def count_get(self, length: int | None) -> None:
+        """One single-key get (its length, None for a miss), counted and published at once: only the
+        fields it changes are written, a third of a whole flush on the cheapest call of the store."""
+        values = self.values
+        if length is None:
+            values[_MISSES] += 1
+            self._procs.write_counter_pair(_MISSES, values[_MISSES])
+        else:
+            values[_HITS] += 1
+            values[_BYTES_READ] += length
+            self._procs.write_counter_pair(_HITS, values[_HITS], _BYTES_READ, values[_BYTES_READ])
 
     def flush(self) -> None:
         """Write the counters into our process slot (lock timeouts are the lock table's own count)."""

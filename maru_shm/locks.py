@@ -103,6 +103,8 @@ def dense_range(ids) -> list[int]:
     fcntl call each way, and marks their records with one slice; the few ids in between
     that it did not need are held for as long (a dirty one is repaired, as any).
     """
+    if len(ids) == 1:
+        return ids
     ids = sorted(set(ids))
     if len(ids) > 2 and 2 * len(ids) >= ids[-1] - ids[0] + 1:
         return list(range(ids[0], ids[-1] + 1))
@@ -382,10 +384,14 @@ class _HeldMany:
 
     def __init__(self, table: LockTable, lock_ids, repair_for, timeout):
         self.table, self.repair_for, self.timeout = table, repair_for, timeout
-        self.lock_ids = sorted(set(lock_ids))
+        self.lock_ids = lock_ids if len(lock_ids) == 1 else sorted(set(lock_ids))
 
     def __enter__(self) -> list[int]:
-        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout, ordered=True)
+        ids = self.lock_ids
+        if len(ids) == 1:  # one key's shard: the single-lock path, no list work
+            dirty = ids if self.table.acquire(ids[0], timeout=self.timeout) else []
+        else:
+            dirty = self.table.acquire_many(ids, timeout=self.timeout, ordered=True)
         if dirty and self.repair_for is not None:
             try:
                 for i in dirty:
@@ -396,5 +402,9 @@ class _HeldMany:
         return dirty
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.table.release_many(self.lock_ids, clean=exc_type is None, ordered=True)
+        ids = self.lock_ids
+        if len(ids) == 1:
+            self.table.release(ids[0], clean=exc_type is None)
+        else:
+            self.table.release_many(ids, clean=exc_type is None, ordered=True)
         return False

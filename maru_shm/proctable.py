@@ -13,7 +13,7 @@ import time
 from . import crashpoints as _cp
 from .attachment import Attachment
 from .errors import StoreError
-from .format import COUNTERS, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SLOT_LOCK_BASE
+from .format import COUNTERS, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SLOT_LOCK_BASE, U64
 from .locks import ofd_is_held, ofd_trylock, ofd_unlock
 
 _U64_MASK = 2**64 - 1
@@ -113,8 +113,17 @@ class ProcessTable:
             return False
         return ofd_is_held(self.att.locks.fd, SLOT_LOCK_BASE + slot)
 
+    def write_counter_pair(self, p1: int, v1: int, p2: int = -1, v2: int = 0) -> None:
+        """Publish one or two of this process's counters (positions in COUNTER_NAMES) into its slot."""
+        if self.slot >= 0:
+            base = self.att.geo.slot_of(self.slot) + PROC_COUNTERS_OFF
+            U64.pack_into(self.att.mm, base + 8 * p1, v1 & _U64_MASK)
+            if p2 >= 0:
+                U64.pack_into(self.att.mm, base + 8 * p2, v2 & _U64_MASK)
+
     def write_counters(self, values) -> None:
         """Publish this process's counters into its slot (no lock: only we write our slot)."""
         if self.slot >= 0:
-            COUNTERS.pack_into(self.att.mm, self.att.geo.slot_of(self.slot) + PROC_COUNTERS_OFF,
-                               *[v & _U64_MASK for v in values])
+            if max(values) > _U64_MASK:
+                values = [v & _U64_MASK for v in values]
+            COUNTERS.pack_into(self.att.mm, self.att.geo.slot_of(self.slot) + PROC_COUNTERS_OFF, *values)

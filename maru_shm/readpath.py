@@ -34,23 +34,25 @@ class ReadPath:
 
     def copy_out(self, hit: Hit, pieces: Pieces) -> bool:
         """Copy one value into destination pieces; False if its block is unsafe or changed under the copy."""
-        if block_start_problem(self.att.alloc, hit.offset, hit.length):
+        offset, word, length, meta = hit
+        if block_start_problem(self.att.alloc, offset, length):
             return False  # not a block start of a formatted slab, or a length overrunning it: never copy
-        self._copy_value(self.att.data + hit.offset, pieces, hit.length)
-        if U64.unpack_from(self.att.mm, hit.meta)[0] != hit.word:
+        src = self.att.data + offset
+        if length >= self.engine.min_threaded:
+            self._copy_large(src, pieces)
+        else:
+            for addr, n in pieces:
+                ctypes.memmove(addr, src, n)
+                src += n
+        if U64.unpack_from(self.att.mm, meta)[0] != word:
             return False
-        self._mark_used(hit.offset, hit.meta)
+        self._mark_used(offset, meta)
         return True
 
-    def _copy_value(self, src: int, pieces: Pieces, length: int) -> None:
-        """One value out of the pool into its pieces: a large one by the copy engine."""
-        if length >= self.engine.min_threaded:
-            dsts, nbs = [a for a, _ in pieces], [n for _, n in pieces]
-            self.engine.run(dsts, np.cumsum([src] + nbs[:-1]), nbs)
-            return
-        for addr, n in pieces:
-            ctypes.memmove(addr, src, n)
-            src += n
+    def _copy_large(self, src: int, pieces: Pieces) -> None:
+        """One large value out of the pool into its pieces, by the copy engine."""
+        dsts, nbs = [a for a, _ in pieces], [n for _, n in pieces]
+        self.engine.run(dsts, np.cumsum([src] + nbs[:-1]), nbs)
 
     def get_one(self, d: bytes, dest_of) -> int | None:
         """Copy the value of d into the pieces `dest_of(length)` gives (None: it does not fit); its length."""
@@ -62,6 +64,16 @@ class ReadPath:
             if pieces is None:
                 return None
             if self.copy_out(hit, pieces):
+                return hit.length
+        return None
+
+    def get_one_into(self, d: bytes, addr: int, cap: int) -> int | None:
+        """get_one into one buffer of `cap` bytes at `addr` (a single-key get: no callback per call)."""
+        for _ in range(RETRIES):
+            hit = self.lookup(d)
+            if hit is None or hit.length > cap:
+                return None
+            if self.copy_out(hit, ((addr, hit.length),)):
                 return hit.length
         return None
 
@@ -95,7 +107,7 @@ class ReadPath:
                 else:
                     off = offs[i]
                     if lens[i] >= self.engine.min_threaded:
-                        self._copy_value(data + off, pieces, lens[i])
+                        self._copy_large(data + off, pieces)
                     else:
                         src = data + off
                         for addr, n in pieces:

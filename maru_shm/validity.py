@@ -48,11 +48,8 @@ def check_entry(mm, geo, d: bytes, word: int, offset: int) -> Hit | None:
     if not 0 <= offset < geo.data_bytes:
         return None
     m = geo.meta_of(offset)
-    w = U64.unpack_from(mm, m)[0]
-    if w != word or w & 3 != LIVE or mm[m + META_DIGEST_OFF:m + META_LENGTH_OFF] != d:
-        return None
-    length = int.from_bytes(mm[m + META_LENGTH_OFF:m + META_LENGTH_OFF + 4], "little")
-    if offset + length > geo.data_bytes:
+    w, md, length, _, _ = META_STRUCT.unpack_from(mm, m)  # one read of the meta's fields, not three
+    if w != word or w & 3 != LIVE or md != d or offset + length > geo.data_bytes:
         return None
     return _new_hit(Hit, (offset, w, length, m))
 
