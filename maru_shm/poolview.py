@@ -390,6 +390,7 @@ def pool_stats(src) -> dict:
         "max_value": g.max_value,
         "live_blocks": sp["live_blocks"],
         "held_blocks": sp["held_blocks"],
+        "reserved_blocks": sp["reserved_blocks"],
         "live_bytes": sp["live_bytes"],
         "utilization": sp["utilization"],
         "data_utilization": sp["data_utilization"],

@@ -32,7 +32,7 @@ class _PutBatch:
                  in_key_order: bool = False):
         self.att, self.engine = att, engine
         self.in_key_order = in_key_order  # placed_i is exactly 0..n-1: every key placed, in order
-        self.darr = darr  # (n, 16) digests of the whole call
+        self.darr = darr  # digests of the whole call: (n, 16) array, or a list of bytes (ScalarPut)
         self.pieces = pieces  # per key (address, nbytes) lists, or a PieceTable (VectorPut)
         self.lengths = lengths  # per key, Python ints
         self.placed_i = placed_i
@@ -59,8 +59,11 @@ class ScalarPut(_PutBatch):
         self.metas = [geo.meta_of(off) for off in self.placed_off]
         self.words = [U64.unpack_from(mm, m)[0] for m in self.metas]
         shard_of, darr = self.att.index.shard_of, self.darr
-        self.shards = [shard_of(darr[i].tobytes()) for i in self.placed_i]
+        self.shards = [shard_of(darr[i]) for i in self.placed_i]
         return self.words
+
+    def digest(self, k: int) -> bytes:
+        return self.darr[self.placed_i[k]]
 
     def copy(self) -> None:
         data, memmove, armed = self.att.data, ctypes.memmove, _cp.ARMED

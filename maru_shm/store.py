@@ -20,6 +20,7 @@ parts, each owning its own state:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import os
@@ -91,8 +92,21 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
     """(address, nbytes, keepalive) of a C-contiguous buffer; anything else is refused.
 
     Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
-    value loaded into it would be lost while the call reported a hit.
+    value loaded into it would be lost while the call reported a hit. ctypes' `from_buffer` refuses a
+    read-only or non-contiguous buffer itself; it is the cheap form (a fifth of numpy's) for the writable
+    buffers single-key calls pass, and `bytes` take the pointer ctypes keeps for them.
     """
+    if type(buf) is bytes and not writable:
+        return _bytes_address(buf), len(buf), buf
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        view = None
+    if view is not None and view.nbytes and not view.readonly:
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes, view
+        except TypeError:
+            pass  # not C-contiguous: numpy below says so
     if isinstance(buf, np.ndarray):
         arr = buf
     else:
@@ -107,6 +121,11 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
         raise TypeError("destination buffer is read-only")
     arr = arr.reshape(-1).view(np.uint8)
     return arr.ctypes.data, arr.nbytes, arr
+
+
+def _bytes_address(b: bytes) -> int:
+    """Address of an immutable bytes object's payload (valid while `b` lives)."""
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
 
 
 def check_timeout(timeout) -> float:
@@ -347,9 +366,14 @@ class Store:
         e = self.index.table[self.index.home_slots(halves[:, 0], halves[:, 1])]
         return (e[:, 0] == halves[:, 0]) & (e[:, 1] == halves[:, 1]) & (e[:, 2] != 0)
 
+    @_entry
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
-        return self.batch_get_into([key], [out])[0]
+        addr, cap, keep = _buffer_address(out, writable=True)
+        length = self.reader.get_one_into(key_digest(key), addr, cap)
+        del keep
+        self.counters.count_get(length)
+        return length
 
     @_entry
     def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
@@ -375,11 +399,7 @@ class Store:
             held[:] = [np.empty(n, dtype=np.uint8)]
             return [(held[0].ctypes.data, n)]
         length = self.reader.get_one(key_digest(key), destination)
-        if length is None:
-            self.counters.count(misses=1)
-        else:
-            self.counters.count(hits=1, bytes_read=length)
-        self.flush_counters()
+        self.counters.count_get(length)
         return None if length is None else held[0].tobytes()
 
     @_entry
@@ -475,7 +495,7 @@ class Store:
         `relations` (from `maru_shm.chain_relations`, one record per key) says how the values relate, so eviction keeps
         what can still be a hit (FORMAT.md section 6a); a value stored without one is evicted by the plain CLOCK.
         """
-        darr = _digest_batch(keys, digests)
+        darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
         if relations is not None and (getattr(relations, "dtype", None) != RELATION_DTYPE or len(relations) != len(darr)):

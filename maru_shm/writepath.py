@@ -17,6 +17,7 @@ from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import StoreError
 from .format import LIVE, META_OWNER_OFF, U16, U64, next_words
+from .index import digest_array
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
 from .resolve import resolve
@@ -27,11 +28,12 @@ class WritePath:
         self.att, self.engine, self.procs, self.counters, self.publisher = att, engine, procs, counters, publisher
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
-    def put_batch(self, darr: np.ndarray, pieces_list, skip_existing: bool, assume_absent: bool,
+    def put_batch(self, digests, pieces_list, skip_existing: bool, assume_absent: bool,
                   relations=None) -> list[bool]:
+        """Store one value per digest ((n, 16) uint8 array, or a list of 16-byte digests)."""
         held: dict[int, int] = {}
         try:
-            return self._put(darr, pieces_list, skip_existing, assume_absent, held, relations)
+            return self._put(digests, pieces_list, skip_existing, assume_absent, held, relations)
         except BaseException:
             self.settle(held)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
             raise
@@ -49,18 +51,24 @@ class WritePath:
         except StoreError:
             pass  # still owned by this slot: close() or a reaper settles them
 
-    def _put(self, darr, pieces_list, skip_existing: bool, assume_absent: bool, held: dict, relations) -> list[bool]:
-        n = len(darr)
+    def _put(self, digests, pieces_list, skip_existing: bool, assume_absent: bool, held: dict, relations) -> list[bool]:
+        n = len(digests)
         small = n <= SMALL_BATCH
-        if small and isinstance(pieces_list, np.ndarray):
-            pieces_list = pieces_list.tolist()  # the scalar path copies from Python ints
+        if small:  # the scalar path works on Python ints and bytes: a numpy call costs more than the key
+            if isinstance(pieces_list, np.ndarray):
+                pieces_list = pieces_list.tolist()
+            darr = digests if isinstance(digests, list) else [row.tobytes() for row in digests]
+        else:
+            darr = digest_array(digests)
         pieces = pieces_list if small else PieceTable.of(pieces_list, n)
         lengths = piece_lengths(pieces_list) if small else pieces.lengths.tolist()
         res = [False] * n
-        present = resolve(self.att, darr, full=False).ok.tolist() if skip_existing and not assume_absent else None
+        present = None
+        if skip_existing and not assume_absent:
+            present = resolve(self.att, digest_array(darr), full=False).ok.tolist()
         groups = self._by_class(lengths, present, res, one_class=not small and present is None)
         dooms = self.att.alloc.relations.cursor() if relations is not None else None
-        placed_i, placed_off = self._reserve(groups, darr.view("<u8"), lengths)
+        placed_i, placed_off = self._reserve(groups, darr, lengths, small)
         if dooms is not None and self.att.alloc.relations.cursor() != dooms:
             self.att.alloc.reclaim_stranded()
         kind = ScalarPut if small else VectorPut
@@ -106,18 +114,29 @@ class WritePath:
                 groups.setdefault(info.cid, (info, []))[1].append(i)
         return groups
 
-    def _reserve(self, groups: dict, halves: np.ndarray, lengths: list) -> tuple[list[int], list[int]]:
-        """Reserve a block per key, class by class; a class out of room reaps dead processes and tries once more.
-        (positions placed, their offsets): a key the pool cannot place is left out."""
+    def _reserve(self, groups: dict, darr, lengths: list, small: bool) -> tuple[list[int], list[int]]:
+        """Reserve a block per key, class by class; a class out of room frees the blocks this process keeps
+        and reaps dead processes (owned blocks pin their slabs), then tries once more.
+        (positions placed, their offsets): a key the pool cannot place is left out.
+
+        A small batch hands the allocator lists (digests as bytes, lengths as ints), a large one numpy
+        arrays ((m, 2) u64 halves, u64 lengths)."""
         alloc, owner = self.att.alloc, self.procs.owner
-        lens_u = np.asarray(lengths, dtype=np.uint64)
+        if small:
+            def of(positions):
+                return [darr[i] for i in positions], [lengths[i] for i in positions]
+        else:
+            halves, lens_u = darr.view("<u8"), np.asarray(lengths, dtype=np.uint64)
+
+            def of(positions):
+                return halves[positions], lens_u[positions]
         placed_i: list[int] = []
         placed_off: list[int] = []
         for info, positions in groups.values():
-            offs = alloc.allocate(info, halves[positions], lens_u[positions], owner)
-            if len(offs) < len(positions) and self.reap():
+            offs = alloc.allocate(info, *of(positions), owner)
+            if len(offs) < len(positions) and alloc.free_kept() + self.reap():
                 rest = positions[len(offs):]
-                offs += alloc.allocate(info, halves[rest], lens_u[rest], owner)
+                offs += alloc.allocate(info, *of(rest), owner)
             placed_i += positions[:len(offs)]
             placed_off += offs
             if _cp.ARMED is not None:

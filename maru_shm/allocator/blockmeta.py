@@ -19,6 +19,11 @@ from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_O
 # costs a few microseconds whatever its length, which only pays off over many keys.
 SMALL_BATCH = 8
 
+
+def digest_bytes(d) -> bytes:
+    """One digest as 16 bytes: small batches pass them so, batch paths as rows of (m, 2) u64 halves."""
+    return d if type(d) is bytes else d.tobytes()
+
 _REST = struct.Struct("<16sIHB")  # meta bytes 8..30: digest, length, owner, ref (META_STRUCT after the word)
 _OWNER_SHIFT, _REF_SHIFT, _FLAGS_SHIFT = 32, 48, 56  # in the u64 at byte 24: length | owner | ref | flags
 

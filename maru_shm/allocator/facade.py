@@ -97,6 +97,11 @@ class Allocator:
 
     keep_limit = staticmethod(keep_limit)
 
+    def free_kept(self) -> int:
+        """Free every block this process keeps for its next puts (kept.py); blocks freed. An owned block
+        pins its slab against moves and eviction, so a put that found no room gives them up first."""
+        return self.release.free_blocks(self.kept_blocks.take_all())
+
     # ---------------------------------------------------------------- locating blocks
     def class_slabs(self, cid: int) -> list[int]:
         return self.slabs.class_slabs(cid)

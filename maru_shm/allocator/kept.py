@@ -1,10 +1,11 @@
-"""Blocks a process keeps for its own next allocations of a class, so overwrites take no class lock.
+"""Blocks a process keeps for its own next allocations of a class, so most puts take no class lock.
 
-A kept block is LIVE, owned by this process and unindexed (an overwrite's old block, or one of ours
-that lost its publication): no reader can reach it through the index, no other process frees or evicts
-a block a live process owns, and its bitmap bit and the class counts already say "used". `close` and a
-reaper settle kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEEP_BYTES
-bytes per class (at least one block), so an idle process holds back little of the pool.
+A kept block is owned by this process and unindexed: an overwrite's old block or one of ours that lost
+its publication (LIVE), or a spare a single-key put reserved beside its own block (RESERVED, no digest,
+length 0). No reader can reach it through the index, no other process frees or evicts a block a live
+process owns, and its bitmap bit and the class counts already say "used". `close` and a reaper settle
+kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEEP_BYTES bytes per class
+(at least one block), so an idle process holds back little of the pool; spares at most SPARE_BYTES.
 """
 
 from __future__ import annotations
@@ -15,17 +16,24 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..format import META_LENGTH_OFF, U32
-from .blockmeta import BlockMetas
+from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .slabtable import SlabTable
 
 KEEP_MAX = 16
 KEEP_BYTES = 4 << 20
+SPARE_BYTES = 64 << 10
 
 
 def keep_limit(info: ClassInfo) -> int:
     """Blocks of a class a process keeps for reuse (KEEP_MAX, KEEP_BYTES, at least one)."""
     return max(1, min(KEEP_MAX, KEEP_BYTES // info.block))
+
+
+def spare_limit(info: ClassInfo) -> int:
+    """Blocks of a class a single-key put may hold beside its own: one class lock then serves that many
+    more puts. Small classes only (SPARE_BYTES), where the lock costs more than the copy."""
+    return min(KEEP_MAX, SPARE_BYTES // info.block)
 
 
 class KeptBlocks:
@@ -36,6 +44,9 @@ class KeptBlocks:
 
     def has(self, cid: int) -> bool:
         return bool(self.lists.get(cid))
+
+    def count(self, cid: int) -> int:
+        return len(self.lists.get(cid, ()))
 
     def ours(self, cid: int, off: int, word: int, owner: int) -> bool:
         """Is `off` a block start of a slab of class cid whose meta still has this word and owner?"""
@@ -65,8 +76,15 @@ class KeptBlocks:
             self.lists.setdefault(info.cid, []).extend(keeping)
         return rest
 
+    def take_all(self) -> list[tuple[int, int]]:
+        """Empty every list: the (offset, word) pairs it held, for the caller to free."""
+        with self._guard:
+            items = [item for lst in self.lists.values() for item in lst]
+            self.lists.clear()
+        return items
+
     def give_back(self, cid: int, offsets: list[int]) -> None:
-        """Reused blocks an allocation could not finish with go back to the list (RESERVED, still ours)."""
+        """RESERVED blocks of ours join the list: reused blocks an allocation could not finish with, and spares."""
         with self._guard:
             self.lists.setdefault(cid, []).extend(
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
@@ -92,7 +110,7 @@ class KeptBlocks:
             if not self.ours(info.cid, off, word, owner):
                 continue
             j = len(out)
-            self.metas.re_reserve(self.metas.meta_off(off), word, digests[j].tobytes(), int(lengths[j]), owner,
+            self.metas.re_reserve(self.metas.meta_off(off), word, digest_bytes(digests[j]), int(lengths[j]), owner,
                                   _crash_mid_reuse)
             out.append(off)
         return out

@@ -11,14 +11,16 @@ import numpy as np
 
 from ..format import SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_REF, UNIT_HEAD, UNIT_TAIL
 from .blockclock import BlockClock
-from .blockmeta import SMALL_BATCH, BlockMetas
+from .blockmeta import SMALL_BATCH, BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .demand import DemandPolicy
 from .freeruns import FreeRuns
-from .kept import KeptBlocks
+from .kept import KeptBlocks, spare_limit
 from .locking import AllocatorLocks
 from .slabmover import SlabMover
 from .slabtable import SlabTable, get32
+
+_NO_DIGEST = bytes(16)  # a spare's digest: it holds no value yet
 
 
 class Reserver:
@@ -30,7 +32,8 @@ class Reserver:
     def allocate(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
         """Reserve one block per value; return their data offsets.
 
-        `digests` are the keys' digests as (m, 2) little-endian u64 halves, `lengths` the values' lengths.
+        `digests` are the keys' digests as (m, 2) little-endian u64 halves, `lengths` the values' lengths
+        (numpy); a batch of at most SMALL_BATCH values may pass lists of 16-byte digests and ints instead.
         Fewer offsets than items means the pool could not make room (every candidate slab busy with
         writers). Each block is RESERVED with `owner`. Blocks are taken from the partial slabs first and
         reserved together (one numpy pass) before anything that may evict or repair this class: a taken
@@ -86,12 +89,27 @@ class Reserver:
                     continue
                 self._take_from_slab(head - 1, info, m - len(out) - len(pending), m <= SMALL_BATCH, pending)
             reserve_pending()
+            if m == 1 and out:
+                self._reserve_spares(info, owner)
         return out
+
+    def _reserve_spares(self, info: ClassInfo, owner: int) -> None:
+        """CLASS held, a single-key put has its block: reserve spares from the partial slab for this
+        process's next puts of the class (kept.spare_limit), never making room for them."""
+        want = spare_limit(info) - self.kept.count(info.cid)
+        head = self.slabs.partial_head(info.cid)
+        if want <= 0 or head == 0 or not self._usable_partial(head - 1, info):
+            return
+        spares: list[int] = []
+        self._take_from_slab(head - 1, info, want, True, spares)
+        for off in spares:
+            self.metas.reserve(off, _NO_DIGEST, 0, owner)
+        self.kept.give_back(info.cid, spares)
 
     def _reserve(self, offsets: list[int], digests, lengths, owner: int, small: bool) -> None:
         if small:  # scalar meta writes
             for j, off in enumerate(offsets):
-                self.metas.reserve(off, digests[j].tobytes(), int(lengths[j]), owner)
+                self.metas.reserve(off, digest_bytes(digests[j]), int(lengths[j]), owner)
         else:
             self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner)
 

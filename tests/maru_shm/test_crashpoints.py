@@ -111,15 +111,17 @@ def dirty_locks(s: Store) -> list[str]:
 
 
 def leaked_blocks(s: Store) -> list[str]:
-    """Blocks that are not FREE but are not a published, unowned LIVE value (nothing is in flight)."""
+    """Blocks that are not FREE but are not a published, unowned LIVE value (nothing is in flight), other
+    than the blocks `s` itself keeps for its next puts (kept.py: spares and old blocks, owned by `s`)."""
     a, g = s.alloc, s.geo
+    ours = {off for items in a.kept.values() for off, _ in items}
     out = []
     for h in [int(u) for u in (a.states == UNIT_HEAD).nonzero()[0]]:
         info = a.classes[int(a.clsfield[h])]
         for i in range(info.bps):
             off = h * g.unit_size + i * info.block
             word, d, length, owner, _ = META_STRUCT.unpack_from(s.mm, a.meta_off(off))
-            if word & 3 == FREE:
+            if word & 3 == FREE or (off in ours and owner == s.slot + 1):
                 continue
             if word & 3 != LIVE or s.index.find(d) != (word, off) or owner:
                 out.append(f"block {off}: state {word & 3}, owner {owner}, indexed "
@@ -234,6 +236,25 @@ def test_put_after_alloc(pool_path):
         s.batch_put(["new1", "seed0"], [make_value("new1", 1, 5000), make_value("seed0", 2, 5000)])
     """)
     recover(pool_path, expected, missing=["new1"])  # seed0 keeps version 1
+
+
+def test_put_after_alloc_of_a_single_key_leaves_its_spares_to_reaping(pool_path):
+    """A single-key put reserves spares beside its block (kept.py) and dies: the block and the spares are
+    RESERVED blocks of the dead process, and reaping at attach frees them all."""
+    expected = new_pool(pool_path)
+    run_child(pool_path, "put.after_alloc", """
+        s = Store.open(path)
+        s.put("new1", make_value("new1", 1, 3000))
+    """)
+    from maru_shm.poolview import PoolView, pool_stats
+    v = PoolView.open(pool_path)
+    try:
+        assert pool_stats(v)["reserved_blocks"] == 1 + 16  # its block and spare_limit spares (3 KiB blocks)
+    finally:
+        v.close()
+    with Store.open(pool_path) as s:
+        assert s.stats()["reserved_blocks"] == 0  # reaped at attach: the dead put's block and its spares
+    recover(pool_path, expected, missing=["new1"], sizes=(SIZE, 3000))
 
 
 def test_put_after_relations(pool_path):

@@ -11,6 +11,7 @@ import numpy as np
 
 from maru_shm.sizeclasses import geometric_sizes
 from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
+from maru_shm.allocator.kept import spare_limit
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -361,10 +362,13 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
     old_off, old_word, _, _ = s.reader.lookup(key_digest("a"))
-    assert s.put("a", make_value("a", 2, 20_000))
-    assert s.alloc.kept[info.cid] == [(old_off, old_word)]
+    spares = s.alloc.kept[info.cid][:]  # the first put's spares (kept.spare_limit), RESERVED
+    assert len(spares) == spare_limit(info)
+    assert s.put("a", make_value("a", 2, 20_000))  # takes a spare; the old block joins the list last
+    assert s.alloc.kept[info.cid] == spares[:-1] + [(old_off, old_word)]
     st = s.stats()
     assert st["live_blocks"] == st["entries"] == 1 and st["held_blocks"] == 1
+    assert st["reserved_blocks"] == len(spares) - 1
     assert s.check().ok
     held, release = threading.Event(), threading.Event()
 
@@ -381,26 +385,94 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
         assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
         assert time.monotonic() - t0 < 1.0
         assert s.reader.lookup(key_digest("b"))[0] == old_off
-        assert not s.alloc.kept[info.cid]
+        assert s.alloc.kept[info.cid] == spares[:-1]
     finally:
         release.set()
         t.join()
     assert s.get("a") == make_value("a", 2, 20_000) and s.get("b") == make_value("b", 1, 20_000)
+    s.put("spare-used", make_value("c", 1, 20_000))
     limit = s.alloc.keep_limit(info)
     for r in range(3):
         for i in range(limit + 4):
             assert s.put(f"k{i}", make_value(f"k{i}", r, 20_000))
     assert len(s.alloc.kept[info.cid]) <= limit
-    assert s.stats()["held_blocks"] == len(s.alloc.kept[info.cid])
+    st = s.stats()
+    assert st["held_blocks"] + st["reserved_blocks"] == len(s.alloc.kept[info.cid])
     assert s.check().ok
     s.close()
     s2 = Store.open(pool_path)
     try:
         st = s2.stats()
-        assert st["held_blocks"] == 0 and st["live_blocks"] == st["entries"] == limit + 6
+        assert st["held_blocks"] == st["reserved_blocks"] == 0
+        assert st["live_blocks"] == st["entries"] == limit + 7
         assert s2.check().ok
     finally:
         s2.close()
+
+
+def test_a_single_key_put_reserves_spares_so_the_next_puts_take_no_class_lock(open_store, pool_path, make_value):
+    """Under the class lock a single-key put also reserves up to spare_limit free blocks of the partial slab
+    (RESERVED, ours, no digest); the next puts of the class take them while another holder has the class
+    lock. Batches of several keys reserve none, large classes none, and spares never make room: with no
+    free block left in the slab there are none. check is clean throughout and close frees them."""
+    import threading
+    import time
+    from maru_shm import Store
+    from maru_shm.format import CLASS_LOCK_BASE
+    s = open_store("16M")
+    small, large = s.alloc.class_for(4096), s.alloc.class_for(131072)
+    assert spare_limit(small) == 16 and spare_limit(large) == 0
+    assert s.put("first", make_value("first", 1, 4096))
+    assert len(s.alloc.kept[small.cid]) == 16
+    assert s.stats()["reserved_blocks"] == 16 and s.check().ok
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with s.locks.hold(CLASS_LOCK_BASE + small.cid):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        t0 = time.monotonic()
+        for i in range(16):
+            assert s.put(f"k{i}", make_value(f"k{i}", 1, 4096))
+        assert time.monotonic() - t0 < 1.0  # none waited for the class lock
+        assert not s.alloc.kept.get(small.cid)
+    finally:
+        release.set()
+        t.join()
+    assert s.put("large", make_value("large", 1, 131072)) and not s.alloc.kept.get(large.cid)
+    assert all(s.batch_put([f"b{i}" for i in range(4)], [make_value(f"b{i}", 1, 8192) for i in range(4)]))
+    assert not s.alloc.kept.get(s.alloc.class_for(8192).cid)  # a batch reserves no spares
+    assert all(s.get(f"k{i}") == make_value(f"k{i}", 1, 4096) for i in range(16))
+    assert s.check().ok
+    s.close()
+    s2 = Store.open(pool_path)
+    try:
+        st = s2.stats()
+        assert st["reserved_blocks"] == st["held_blocks"] == 0 and st["live_blocks"] == 22
+        assert s2.check().ok
+    finally:
+        s2.close()
+
+
+def test_spares_never_make_room(open_store, make_value):
+    """A full class gives a single-key put its block by eviction, and no spare beyond the slab's free blocks."""
+    s = open_store("8M")
+    info = s.alloc.class_for(65536)
+    assert spare_limit(info) == 1
+    n = 0
+    while s.stats()["evictions"] == 0 and n < 10_000:
+        assert s.put(f"k{n}", make_value(f"k{n}", 1, 65536))
+        n += 1
+    assert n < 10_000
+    for i in range(50):  # every put now evicts: the spare, if any, is a block the slab had free
+        assert s.put(f"x{i}", make_value(f"x{i}", 1, 65536))
+        assert len(s.alloc.kept.get(info.cid, ())) <= 1
+    assert s.check().ok
 
 
 def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, make_value):
@@ -428,7 +500,7 @@ def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, m
     st = s.stats()
     kept = sum(len(v) for v in s.alloc.kept.values())
     assert st["live_blocks"] == st["entries"] == len(keys)
-    assert st["held_blocks"] == kept <= s.alloc.keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
+    assert st["held_blocks"] + st["reserved_blocks"] == kept <= s.alloc.keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
     assert s.check().ok
 
 
