@@ -54,7 +54,8 @@ class ScalarPut(_PutBatch):
     """A few keys: Python ints and one struct call per block."""
 
     def reserved(self) -> list[int]:
-        self._out_of_bounds(max(off + self.lengths[i] for i, off in zip(self.placed_i, self.placed_off)))
+        lengths = self.lengths
+        self._out_of_bounds(max([off + lengths[i] for i, off in zip(self.placed_i, self.placed_off)]))
         geo, mm = self.att.geo, self.att.mm
         self.metas = [geo.meta_of(off) for off in self.placed_off]
         self.words = [U64.unpack_from(mm, m)[0] for m in self.metas]
@@ -67,7 +68,9 @@ class ScalarPut(_PutBatch):
 
     def copy(self) -> None:
         data, memmove, armed = self.att.data, ctypes.memmove, _cp.ARMED
-        if armed is None and sum([self.lengths[i] for i in self.placed_i]) >= self.engine.min_threaded:
+        lengths = self.lengths
+        if armed is None and (sum(lengths) if self.in_key_order else sum([lengths[i] for i in self.placed_i])) \
+                >= self.engine.min_threaded:
             return self._copy_large()
         for i, off in zip(self.placed_i, self.placed_off):
             dst = data + off

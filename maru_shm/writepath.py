@@ -87,8 +87,7 @@ class WritePath:
             written = sum(lengths)
         else:
             written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
-        self.counters.count(puts=ok, put_failures=n - ok, evictions=evicted, evicted_bytes=evicted_bytes,
-                            bytes_written=written)
+        self.counters.count_put(ok, n - ok, evicted, evicted_bytes, written)
         return res
 
     def _by_class(self, lengths: list, present, res: list, one_class: bool) -> dict:

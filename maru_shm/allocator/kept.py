@@ -15,7 +15,6 @@ import threading
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import META_LENGTH_OFF, U32
 from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .slabtable import SlabTable
@@ -53,9 +52,8 @@ class KeptBlocks:
         loc = self.slabs.block_index(off)
         if loc is None or loc[1].cid != cid:
             return False
-        m = self.metas.meta_off(off)
-        return (self.metas.word(m) == word and self.metas.owner(m) == owner
-                and U32.unpack_from(self.metas.mm, m + META_LENGTH_OFF)[0] <= loc[1].block)
+        mword, _, length, mowner, _ = self.metas.read(off)
+        return mword == word and mowner == owner and length <= loc[1].block
 
     def offer(self, info: ClassInfo, items: list, owner: int) -> list:
         """Keep what fits under the limit of the blocks still ours with that word; return the rest (to free).
