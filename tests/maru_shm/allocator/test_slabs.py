@@ -5,6 +5,7 @@ The figures (utilization) are printed (`-s`) and attached to the test report as 
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -348,16 +349,36 @@ def test_free_run_search_matches_trying_every_start(open_store):
         U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
 
 
+@contextlib.contextmanager
+def class_lock_held_by_another_thread(s, cid: int):
+    """CLASS[cid] held by another thread of this process for the duration of the block."""
+    import threading
+    from maru_shm.format import CLASS_LOCK_BASE
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with s.locks.hold(CLASS_LOCK_BASE + cid):
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        release.set()
+        t.join()
+
+
 def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the_class_lock(open_store, pool_path,
                                                                                          make_value):
     """free_blocks(keep=...) from the put path: the old block of an overwrite stays LIVE, owned and unindexed
     (check is clean: held, not live), and this process's next put of that class takes it without the class
     lock, even while another holder has that lock. At most keep_limit blocks are kept per class; close
     frees them."""
-    import threading
     import time
     from maru_shm import Store
-    from maru_shm.format import CLASS_LOCK_BASE
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
@@ -370,25 +391,12 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     assert st["live_blocks"] == st["entries"] == 1 and st["held_blocks"] == 1
     assert st["reserved_blocks"] == len(spares) - 1
     assert s.check().ok
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
+    with class_lock_held_by_another_thread(s, info.cid):
         t0 = time.monotonic()
         assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
         assert time.monotonic() - t0 < 1.0
         assert s.reader.lookup(key_digest("b"))[0] == old_off
         assert s.alloc.kept[info.cid] == spares[:-1]
-    finally:
-        release.set()
-        t.join()
     assert s.get("a") == make_value("a", 2, 20_000) and s.get("b") == make_value("b", 1, 20_000)
     s.put("spare-used", make_value("c", 1, 20_000))
     limit = s.alloc.keep_limit(info)
@@ -415,35 +423,20 @@ def test_a_single_key_put_reserves_spares_so_the_next_puts_take_no_class_lock(op
     (RESERVED, ours, no digest); the next puts of the class take them while another holder has the class
     lock. Batches of several keys reserve none, large classes none, and spares never make room: with no
     free block left in the slab there are none. check is clean throughout and close frees them."""
-    import threading
     import time
     from maru_shm import Store
-    from maru_shm.format import CLASS_LOCK_BASE
     s = open_store("16M")
     small, large = s.alloc.class_for(4096), s.alloc.class_for(131072)
     assert spare_limit(small) == 16 and spare_limit(large) == 0
     assert s.put("first", make_value("first", 1, 4096))
     assert len(s.alloc.kept[small.cid]) == 16
     assert s.stats()["reserved_blocks"] == 16 and s.check().ok
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with s.locks.hold(CLASS_LOCK_BASE + small.cid):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
+    with class_lock_held_by_another_thread(s, small.cid):
         t0 = time.monotonic()
         for i in range(16):
             assert s.put(f"k{i}", make_value(f"k{i}", 1, 4096))
         assert time.monotonic() - t0 < 1.0  # none waited for the class lock
         assert not s.alloc.kept.get(small.cid)
-    finally:
-        release.set()
-        t.join()
     assert s.put("large", make_value("large", 1, 131072)) and not s.alloc.kept.get(large.cid)
     assert all(s.batch_put([f"b{i}" for i in range(4)], [make_value(f"b{i}", 1, 8192) for i in range(4)]))
     assert not s.alloc.kept.get(s.alloc.class_for(8192).cid)  # a batch reserves no spares
