@@ -384,14 +384,10 @@ class _HeldMany:
 
     def __init__(self, table: LockTable, lock_ids, repair_for, timeout):
         self.table, self.repair_for, self.timeout = table, repair_for, timeout
-        self.lock_ids = lock_ids if len(lock_ids) == 1 else sorted(set(lock_ids))
+        self.lock_ids = lock_ids if len(lock_ids) == 1 else sorted(set(lock_ids))  # (acquire_many takes one id alone)
 
     def __enter__(self) -> list[int]:
-        ids = self.lock_ids
-        if len(ids) == 1:  # one key's shard: the single-lock path, no list work
-            dirty = ids if self.table.acquire(ids[0], timeout=self.timeout) else []
-        else:
-            dirty = self.table.acquire_many(ids, timeout=self.timeout, ordered=True)
+        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout, ordered=True)
         if dirty and self.repair_for is not None:
             try:
                 for i in dirty:
@@ -402,9 +398,5 @@ class _HeldMany:
         return dirty
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        ids = self.lock_ids
-        if len(ids) == 1:
-            self.table.release(ids[0], clean=exc_type is None)
-        else:
-            self.table.release_many(ids, clean=exc_type is None, ordered=True)
+        self.table.release_many(self.lock_ids, clean=exc_type is None, ordered=True)
         return False

@@ -68,9 +68,7 @@ class ScalarPut(_PutBatch):
 
     def copy(self) -> None:
         data, memmove, armed = self.att.data, ctypes.memmove, _cp.ARMED
-        lengths = self.lengths
-        if armed is None and (sum(lengths) if self.in_key_order else sum([lengths[i] for i in self.placed_i])) \
-                >= self.engine.min_threaded:
+        if armed is None and sum([self.lengths[i] for i in self.placed_i]) >= self.engine.min_threaded:
             return self._copy_large()
         for i, off in zip(self.placed_i, self.placed_off):
             dst = data + off

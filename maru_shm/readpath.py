@@ -37,22 +37,21 @@ class ReadPath:
         offset, word, length, meta = hit
         if block_start_problem(self.att.alloc, offset, length):
             return False  # not a block start of a formatted slab, or a length overrunning it: never copy
-        src = self.att.data + offset
-        if length >= self.engine.min_threaded:
-            self._copy_large(src, pieces)
-        else:
-            for addr, n in pieces:
-                ctypes.memmove(addr, src, n)
-                src += n
+        self._copy_value(self.att.data + offset, pieces, length)
         if U64.unpack_from(self.att.mm, meta)[0] != word:
             return False
         self._mark_used(offset, meta)
         return True
 
-    def _copy_large(self, src: int, pieces: Pieces) -> None:
-        """One large value out of the pool into its pieces, by the copy engine."""
-        dsts, nbs = [a for a, _ in pieces], [n for _, n in pieces]
-        self.engine.run(dsts, np.cumsum([src] + nbs[:-1]), nbs)
+    def _copy_value(self, src: int, pieces: Pieces, length: int) -> None:
+        """One value out of the pool into its pieces: a large one by the copy engine."""
+        if length >= self.engine.min_threaded:
+            dsts, nbs = [a for a, _ in pieces], [n for _, n in pieces]
+            self.engine.run(dsts, np.cumsum([src] + nbs[:-1]), nbs)
+            return
+        for addr, n in pieces:
+            ctypes.memmove(addr, src, n)
+            src += n
 
     def get_one(self, d: bytes, dest_of) -> int | None:
         """Copy the value of d into the pieces `dest_of(length)` gives (None: it does not fit); its length."""
@@ -107,7 +106,7 @@ class ReadPath:
                 else:
                     off = offs[i]
                     if lens[i] >= self.engine.min_threaded:
-                        self._copy_large(data + off, pieces)
+                        self._copy_value(data + off, pieces, lens[i])
                     else:
                         src = data + off
                         for addr, n in pieces:

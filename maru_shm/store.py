@@ -383,7 +383,7 @@ class Store:
         res: list[int | None] = []
         for key, out in zip(keys, outs):
             addr, cap, keep = _buffer_address(out, writable=True)
-            res.append(self.reader.get_one(key_digest(key), lambda n: [(addr, n)] if n <= cap else None))
+            res.append(self.reader.get_one_into(key_digest(key), addr, cap))
             del keep
         hits = len(res) - res.count(None)
         self.counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
