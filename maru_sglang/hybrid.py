@@ -188,6 +188,11 @@ class HybridPools:
     def _leading(self, digests, page_bytes: int) -> int:
         return self.storage.store.leading_hits(length=page_bytes, digests=digests) if len(digests) else 0
 
+    def leading_stored(self, name, keys: List[str]) -> int:
+        """How many of `keys`, from the first, pool `name` stores (0 for a pool not registered)."""
+        spec = self.spec(name)
+        return self._leading(self.digests(spec, keys), spec.page_bytes) if spec is not None and keys else 0
+
     # ------------------------------------------------------------------ lookups
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None
                         ) -> PoolTransferResult:

@@ -8,13 +8,16 @@ section 6a); this module writes them:
 - One set call is one *segment*. SGLang's keys arrive in chain order, so a key's position in the call is
   its position in the segment. With `hicache_storage_pass_prefix_keys: true` SGLang passes every key
   before the call's as `extra_info.prefix_keys`: the segment's parent is the one holding the last of them,
-  and its branch point that page's position there, both read from that page's own record. A parent that
-  is no longer stored makes the new segment stranded at birth: it is stored, and doomed at once (it can
-  serve no prefix hit).
+  and its branch point that page's position there, both read from that page's own record. A call without
+  prefix keys whose first pages are stored already (a hybrid model's system prompt, sent again by every
+  conversation) takes those pages as its prefix. A parent that is no longer stored makes the new segment
+  stranded at birth: it is stored, and doomed at once (it can serve no prefix hit).
 - The group is a hash of the last prefix key and the segment's first key, so every pool's pages of one
   request (v1 KV pages, v2 pages under the same keys) share it, and two continuations of one prefix do not.
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
   segment when it goes.
+- A page written with its record starts used (the store sets its ref bit): it continues a request that just
+  ran, and that conversation's next turn reads it.
 - Lookups that hit mid-chain (SGLang holds the head in host memory; `batch_exists` precedes every
   prefetch, so the get that follows need not touch again) and writes of a suffix *touch* the prefix keys,
   so a head is as used as its most used continuation.
@@ -71,14 +74,28 @@ class Lineage:
         return list(prefix) if prefix else None
 
     @_quiet
-    def segment(self, keys: List[str], extra_info=None) -> Optional[Segment]:
-        """The segment a set call of these keys (in chain order) writes; None when disabled or empty."""
+    def segment(self, keys: List[str], extra_info=None, stored=None) -> Optional[Segment]:
+        """The segment a set call of these keys (in chain order) writes; None when disabled, empty, or when
+        every key is stored already.
+
+        A call without prefix keys may begin with pages another request stored: a hybrid model restores a
+        prefix only where it ends on a sliding-window page, so every conversation on one system prompt sends
+        that prompt's pages again. Those pages (`stored(keys)`: how many leading keys are stored) are its
+        prefix; were they taken as its own, every such call would share one group, and evicting one
+        conversation's page would doom the others' pages at that position.
+        """
         if not self.enabled or not keys:
             return None
         ks, store = self.storage.keyspace, self.storage.store
         prefix = self._prefix(extra_info)
+        first = 0
+        if not prefix and stored is not None:
+            first = stored(keys)
+            if first >= len(keys):
+                return None
+            prefix = keys[:first]
         tail = ks.digest(prefix[-1]) if prefix else b""
-        group = int.from_bytes(hashlib.blake2b(tail + ks.digest(keys[0]), digest_size=4).digest(), "little")
+        group = int.from_bytes(hashlib.blake2b(tail + ks.digest(keys[first]), digest_size=4).digest(), "little")
         parent, branch, orphan = 0, 0, False
         if prefix:
             rec = store.relation_of(tail)
@@ -111,5 +128,7 @@ class Lineage:
     def segment_v2(self, transfers, extra_info=None) -> Optional[Segment]:
         """The segment of a v2 set call: its keys are those of the transfer with the most keys (the pages
         every page-aligned pool stores; a trailing pool names only the last ones)."""
-        keys = max((list(t.keys or []) for t in transfers or []), key=len, default=[])
-        return self.segment(keys, extra_info)
+        widest = max(transfers or [], key=lambda t: len(t.keys or []), default=None)
+        keys = list(widest.keys or []) if widest is not None else []
+        hybrid = self.storage.hybrid
+        return self.segment(keys, extra_info, lambda ks: hybrid.leading_stored(widest.name, ks))

@@ -221,7 +221,7 @@ class MaruStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
-        seg = self.lineage.segment(keys, extra_info) if self.is_writer else None
+        seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
         res = self.local_set_v1(keys, host_indices, self.lineage.records(seg, keys))
         self.lineage.stored(seg)
         self.lineage.touch(extra_info)

@@ -105,3 +105,54 @@ def test_prefix_keys_of_a_read_are_touched(make_instance):
     refs[g] = 0
     assert backend.batch_exists(prompt_keys(3, "absent"), _info(head)) == 0  # nothing read: nothing touched
     assert not refs[g].any()
+
+
+def _records(store, digests):
+    """(rows, valid) of the relation records of the values under these digests."""
+    found = store.resolve(digests)
+    granules = found.offsets.astype("int64") >> (store.geo.granule.bit_length() - 1)
+    return store.att.alloc.relations.of(granules, found.words)
+
+
+def test_a_call_without_prefix_keys_takes_its_stored_leading_pages_as_prefix(make_instance):
+    """A hybrid model restores a prefix only where it ends on a window page, so each conversation on one system
+    prompt sends that prompt's pages again, with no prefix keys. The pages already stored are the call's prefix:
+    its own pages get their own segment, children of the first conversation's. Taken as its own, every such call
+    would share one group, and a doom of one conversation's page would strand the others'."""
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
+    hh.fill_random(host, seed=5)
+    idx = page_indices(host, 0, 12)
+    shared = prompt_keys(4, "system")
+    a, b = shared + prompt_keys(8, "conv-a"), shared + prompt_keys(8, "conv-b")
+    assert all(backend.batch_set_v1(a, idx))
+    assert all(backend.batch_set_v1(b, idx))
+    st, ks = backend.store, backend.keyspace
+    rows_a, valid_a = _records(st, ks.digests(a))
+    rows_b, valid_b = _records(st, ks.digests(b[4:]))
+    assert valid_a.all() and valid_b.all()
+    g_a = int(rows_a["group"][0])
+    assert set(rows_a["group"].tolist()) == {g_a} and set(rows_a["parent"].tolist()) == {0}
+    assert g_a not in rows_b["group"].tolist()
+    assert set(rows_b["parent"].tolist()) == {g_a} and set(rows_b["branch"].tolist()) == {3}
+    assert (rows_b["depth"] & 0x7FFF).tolist() == list(range(4, 12))  # positions in the call
+    assert all(backend.batch_set_v1(shared, idx[:4]))  # every key stored: nothing written, no record changes
+    rows, _ = _records(st, ks.digests(shared))
+    assert set(rows["group"].tolist()) == {g_a}
+
+
+def test_a_page_stored_with_its_relations_starts_used(make_instance, pool_path):
+    """A page SGLang backs up continues a request that just ran, and the next turn reads it: it starts with its
+    ref bit set, so the CLOCK takes older unused pages before a chain's newest ones. Without prefix eviction a
+    page starts unused, as any value does."""
+    for on in (True, False):
+        host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="48M",
+                                      maru={"maru_prefix_eviction": on}, pool=f"{pool_path}-{on}")
+        hh.fill_random(host, seed=6)
+        keys = prompt_keys(8, f"fresh-{on}")
+        assert all(backend.batch_set_v1(keys, page_indices(host, 0, 8)))
+        st = backend.store
+        g = st.resolve(backend.keyspace.digests(keys)).offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
+        refs = st.att.alloc.meta_refs[g].tolist()
+        backend.close()
+        os.unlink(f"{pool_path}-{on}")
+        assert refs == [1 if on else 0] * 8

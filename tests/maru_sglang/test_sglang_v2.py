@@ -450,6 +450,30 @@ def test_evicted_kv_page_ends_the_prefix_and_orphans_never_count(twin):
     assert t.exists_v2(keys, t.query(["mamba", "draft"])) == (4, {"kv": 5, "mamba": 4, "draft": 5}, [2, 4])
 
 
+def test_a_v2_call_takes_the_pages_its_pool_already_stores_as_its_prefix(twin):
+    """Two conversations on one system prompt, each written whole with no prefix keys: in every pool the second
+    one's own pages form their own segment, a child of the first's at the prompt's last page (lineage.py)."""
+    t = twin("mamba_swa")
+    shared = prompt_keys(2, "system")
+    a, b = shared + prompt_keys(3, "conv-a"), shared + prompt_keys(3, "conv-b")
+    for keys in (a, b):
+        t.set_kv(keys)
+        t.set_v2([("draft", keys, 0)])
+    st = t.maru.store
+    shift = st.geo.granule.bit_length() - 1
+
+    def records(keys):
+        found = st.resolve(t.maru.hybrid.store_digests(PoolName.DRAFT, keys))
+        rows, valid = st.att.alloc.relations.of(found.offsets.astype("int64") >> shift, found.words)
+        assert found.ok.all() and valid.all()
+        return rows
+
+    rows_a, rows_b = records(a), records(b[2:])
+    g_a = int(rows_a["group"][0])
+    assert set(rows_a["group"].tolist()) == {g_a} and g_a not in rows_b["group"].tolist()
+    assert set(rows_b["parent"].tolist()) == {g_a} and set(rows_b["branch"].tolist()) == {1}
+
+
 def test_real_store_eviction_keeps_hicache_file_semantics(pool_path, tmp_path):
     """Fill a small pool to 3x its size so the store itself evicts pages of every pool; then HiCacheFile holding
     exactly the pages that survived gives the same answers, KV-less orphans included."""
