@@ -191,7 +191,7 @@ class HybridPools:
     def leading_stored(self, name, keys: List[str]) -> int:
         """How many of `keys`, from the first, pool `name` stores (0 for a pool not registered)."""
         spec = self.spec(name)
-        return self._leading(self.digests(spec, keys), spec.page_bytes) if spec is not None and keys else 0
+        return self._leading(self.digests(spec, keys), spec.page_bytes) if spec is not None else 0
 
     # ------------------------------------------------------------------ lookups
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None
@@ -217,12 +217,11 @@ class HybridPools:
                 if boundary:
                     hit_count[name] = boundary
                 continue  # never gates the KV hit: restorable stays as it is
-            spec = self.spec(name)
             if policy == PoolHitPolicy.ALL_PAGES:
-                boundary = self._leading(self.digests(spec, keys[:kv_pages]), spec.page_bytes) if spec else 0
+                boundary = self.leading_stored(name, keys[:kv_pages])
                 pool_restorable = set(range(1, boundary + 1))
             elif policy == PoolHitPolicy.TRAILING_PAGES:
-                pool_restorable = self._trailing(spec, transfer, keys[:kv_pages])
+                pool_restorable = self._trailing(self.spec(name), transfer, keys[:kv_pages])
                 boundary = max(pool_restorable, default=0)
             else:
                 raise ValueError(f"Unsupported pool hit policy: {policy}")

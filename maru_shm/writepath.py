@@ -21,7 +21,6 @@ from .index import digest_array
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
 from .resolve import resolve
-from .validity import granule_shift
 
 
 class WritePath:
@@ -151,11 +150,10 @@ class WritePath:
         held.update(zip(batch.placed_off, reserved))
         if relations is not None:
             lives = next_words(np.asarray(reserved, dtype=np.uint64), LIVE)
-            self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
-            # A related value starts used (FORMAT.md 6a): it continues a request that just ran, whose next turn
-            # reads it; starting unused, the CLOCK would take a chain's newest pages before their first reuse.
-            offs = np.asarray(batch.placed_off, dtype=np.int64)
-            self.att.alloc.meta_refs[offs >> granule_shift(self.att.geo)] = 1
+            written = self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
+            # A value with a record starts used (FORMAT.md 6a): it continues a request that just ran, whose next
+            # turn reads it; starting unused, the CLOCK would take a chain's newest pages before their first reuse.
+            self.att.alloc.meta_refs[written] = 1
             if _cp.ARMED is not None:
                 _cp.hit("put.after_relations")
         batch.copy()

@@ -71,19 +71,21 @@ class Relations:
         return U32.unpack_from(self.mm, DOOM_CURSOR_OFF)[0]
 
     # ---------------------------------------------------------------- the writer
-    def write(self, offsets, live_words, rel: np.ndarray) -> None:
-        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime.
+    def write(self, offsets, live_words, rel: np.ndarray) -> np.ndarray:
+        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime;
+        the granules written (none in a pool without records).
 
         `live_words` are the words the commit will store: a record applies from the commit on, and a crash
         before it leaves a record whose tag no LIVE word of that block carries.
         """
         if not self.enabled or not len(offsets):
-            return
+            return np.zeros(0, dtype=np.int64)
         g = np.asarray(offsets, dtype=np.int64) >> self.shift
         rows = rel.copy()
         rows["tag"] = np.asarray(live_words, dtype=np.uint64) & np.uint64(0xFFFF)
         rows["born"] = self.cursor() & 0xFFFF
         self.records[g] = rows
+        return g
 
     def record_of(self, offset: int, word: int) -> tuple[int, int]:
         """(group, position) of the block at this data offset for the lifetime `word`; (0, 0) if none."""
