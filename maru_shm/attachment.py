@@ -20,7 +20,8 @@ from .poolfile import PoolFile, regrow_truncated
 
 
 class Attachment:
-    """The mapped pool: `mm`, `geo`, `locks`, `index`, `alloc` (set by the Store), `data` (address)."""
+    """The mapped pool: `mm`, `geo`, `locks`, `index`, `alloc` (set by the Store), `data` (address) and
+    `data_view` (memoryview) of the data area."""
 
     def __init__(self, pf: PoolFile, timeout: float):
         self.pf = pf
@@ -33,6 +34,8 @@ class Attachment:
         self._anchor = ctypes.c_char.from_buffer(pf.mm)
         self.faults = faultguard.register(ctypes.addressof(self._anchor), pf.geo.file_size)
         self.data = ctypes.addressof(self._anchor) + pf.geo.off_data  # address of data offset 0
+        # the data area as bytes: a small value is copied by slice assignment, without a ctypes call
+        self.data_view = memoryview(pf.mm)[pf.geo.off_data:pf.geo.off_data + pf.geo.data_bytes]
         self.header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what check_intact expects
         self.damage: StoreError | None = None
 
@@ -83,3 +86,9 @@ class Attachment:
         self.index.release_views()
         self.locks.release_views()
         self._anchor = None
+        view, self.data_view = self.data_view, None
+        if view is not None:
+            try:
+                view.release()
+            except BufferError:
+                pass  # a slice of it still lives (held by a traceback): the mapping's close reports that

@@ -1,17 +1,24 @@
 """Per-process operation counters: counted in memory, published into this process's slot after each call.
 
+The slot is the process table's (`ProcessTable.counters_at`); what is written there, in COUNTERS order,
+is this module's alone.
+
 The slot's counters are added to the retired totals when the slot is retired (FORMAT.md section 5), so
 pool-wide figures survive processes that come and go.
 """
 
 from __future__ import annotations
 
-from .format import COUNTER_NAMES, N_COUNTERS
+import struct
+
+from .format import COUNTER_NAMES, COUNTERS, N_COUNTERS, U64
 
 _POSITION = {name: i for i, name in enumerate(COUNTER_NAMES)}
 _HITS, _MISSES, _BYTES_READ = _POSITION["hits"], _POSITION["misses"], _POSITION["bytes_read"]
 _PUTS, _PUT_FAILURES, _BYTES_WRITTEN = _POSITION["puts"], _POSITION["put_failures"], _POSITION["bytes_written"]
 _EVICTIONS, _EVICTED_BYTES = _POSITION["evictions"], _POSITION["evicted_bytes"]
+_LOCK_TIMEOUTS = _POSITION["lock_timeouts"]
+_U64_MASK = (1 << 64) - 1  # a counter past 2**64 wraps in the slot (the in-memory count goes on)
 
 
 class Counters:
@@ -38,15 +45,27 @@ class Counters:
         """One single-key get (its length, None for a miss), counted and published at once: only the
         fields it changes are written, a third of a whole flush on the cheapest call of the store."""
         values = self.values
+        at = self._procs.counters_at
         if length is None:
             values[_MISSES] += 1
-            self._procs.write_counter_pair(_MISSES, values[_MISSES])
+            if at >= 0:
+                U64.pack_into(self._procs.att.mm, at + 8 * _MISSES, values[_MISSES] & _U64_MASK)
         else:
             values[_HITS] += 1
             values[_BYTES_READ] += length
-            self._procs.write_counter_pair(_HITS, values[_HITS], _BYTES_READ, values[_BYTES_READ])
+            if at >= 0:
+                mm = self._procs.att.mm
+                U64.pack_into(mm, at + 8 * _HITS, values[_HITS] & _U64_MASK)
+                U64.pack_into(mm, at + 8 * _BYTES_READ, values[_BYTES_READ] & _U64_MASK)
 
     def flush(self) -> None:
-        """Write the counters into our process slot (lock timeouts are the lock table's own count)."""
-        self.values[_POSITION["lock_timeouts"]] = self._locks.timeouts
-        self._procs.write_counters(self.values)
+        """Publish the counters into our process slot, if we have one (every call of the store does; stats()
+        reads them). Lock timeouts are the lock table's own count. No lock: only we write our slot."""
+        values = self.values
+        values[_LOCK_TIMEOUTS] = self._locks.timeouts
+        at = self._procs.counters_at
+        if at >= 0:
+            try:
+                COUNTERS.pack_into(self._procs.att.mm, at, *values)
+            except struct.error:  # a count past 2**64 wraps in the slot
+                COUNTERS.pack_into(self._procs.att.mm, at, *[v & _U64_MASK for v in values])

@@ -13,7 +13,7 @@ import time
 from . import crashpoints as _cp
 from .attachment import Attachment
 from .errors import StoreError
-from .format import COUNTERS, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SLOT_LOCK_BASE, U64
+from .format import COUNTERS, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SLOT_LOCK_BASE
 from .locks import ofd_is_held, ofd_trylock, ofd_unlock
 
 _U64_MASK = 2**64 - 1
@@ -35,6 +35,7 @@ class ProcessTable:
     def __init__(self, att: Attachment):
         self.att = att
         self.slot = -1
+        self.counters_at = -1  # file offset of our slot's counters (COUNTERS layout), -1 while detached
 
     @property
     def owner(self) -> int:
@@ -58,6 +59,7 @@ class ProcessTable:
             att.mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
             PROC_HEAD.pack_into(att.mm, o, 1, pid, start_ticks(pid), time.time_ns(), os.geteuid())
             self.slot = slot
+            self.counters_at = o + PROC_COUNTERS_OFF
             att.locks.slot_plus1 = slot + 1
             if _cp.ARMED is not None:
                 _cp.hit_lock("SLOT")
@@ -103,6 +105,7 @@ class ProcessTable:
         if self.slot >= 0:
             ofd_unlock(self.att.locks.fd, SLOT_LOCK_BASE + self.slot)
             self.slot = -1
+            self.counters_at = -1
 
     def alive(self, owner_plus1: int) -> bool:
         """Is the process in slot owner_plus1 - 1 alive? Its SLOT lock is held exactly while it lives."""
@@ -113,17 +116,3 @@ class ProcessTable:
             return False
         return ofd_is_held(self.att.locks.fd, SLOT_LOCK_BASE + slot)
 
-    def write_counter_pair(self, p1: int, v1: int, p2: int = -1, v2: int = 0) -> None:
-        """Publish one or two of this process's counters (positions in COUNTER_NAMES) into its slot."""
-        if self.slot >= 0:
-            base = self.att.geo.slot_of(self.slot) + PROC_COUNTERS_OFF
-            U64.pack_into(self.att.mm, base + 8 * p1, v1 & _U64_MASK)
-            if p2 >= 0:
-                U64.pack_into(self.att.mm, base + 8 * p2, v2 & _U64_MASK)
-
-    def write_counters(self, values) -> None:
-        """Publish this process's counters into its slot (no lock: only we write our slot)."""
-        if self.slot >= 0:
-            if max(values) > _U64_MASK:
-                values = [v & _U64_MASK for v in values]
-            COUNTERS.pack_into(self.att.mm, self.att.geo.slot_of(self.slot) + PROC_COUNTERS_OFF, *values)

@@ -32,12 +32,20 @@ class ReadPath:
         mm[meta + META_REF_OFF] = 1
         mm[self.att.geo.slab_of(offset) + SLAB_REF] = 1
 
-    def copy_out(self, hit: Hit, pieces: Pieces) -> bool:
-        """Copy one value into destination pieces; False if its block is unsafe or changed under the copy."""
+    def copy_out(self, hit: Hit, pieces: Pieces | memoryview) -> bool:
+        """Copy one value into destination pieces, or to the start of a writable byte view; False if its
+        block is unsafe or changed under the copy."""
         offset, word, length, meta = hit
         if block_start_problem(self.att.alloc, offset, length):
             return False  # not a block start of a formatted slab, or a length overrunning it: never copy
-        self._copy_value(self.att.data + offset, pieces, length)
+        if type(pieces) is not memoryview:
+            self._copy_value(self.att.data + offset, pieces, length)
+        elif length < self.engine.min_threaded:
+            pieces[:length] = self.att.data_view[offset:offset + length]  # one memcpy, no ctypes call
+        else:
+            anchor = ctypes.c_char.from_buffer(pieces)
+            self._copy_value(self.att.data + offset, ((ctypes.addressof(anchor), length),), length)
+            del anchor
         if U64.unpack_from(self.att.mm, meta)[0] != word:
             return False
         self._mark_used(offset, meta)
@@ -66,13 +74,14 @@ class ReadPath:
                 return hit.length
         return None
 
-    def get_one_into(self, d: bytes, addr: int, cap: int) -> int | None:
-        """get_one into one buffer of `cap` bytes at `addr` (a single-key get: no callback per call)."""
+    def get_one_into(self, d: bytes, view: memoryview) -> int | None:
+        """get_one into the start of a writable 1-D byte view (a single-key get: no callback per call)."""
+        cap = view.nbytes
         for _ in range(RETRIES):
             hit = self.lookup(d)
             if hit is None or hit.length > cap:
                 return None
-            if self.copy_out(hit, ((addr, hit.length),)):
+            if self.copy_out(hit, view):
                 return hit.length
         return None
 

@@ -94,10 +94,11 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
     Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
     value loaded into it would be lost while the call reported a hit. ctypes' `from_buffer` refuses a
     read-only or non-contiguous buffer itself; it is the cheap form (a fifth of numpy's) for the writable
-    buffers single-key calls pass, and `bytes` take the pointer ctypes keeps for them.
+    buffers single-key calls pass, and `bytes` find their payload at a fixed distance from id() (measured
+    against ctypes at import, `_bytes_payload_offset`).
     """
     if type(buf) is bytes and not writable:
-        return _bytes_address(buf), len(buf), buf
+        return (id(buf) + _BYTES_PAYLOAD if _BYTES_PAYLOAD is not None else _bytes_address(buf)), len(buf), buf
     try:
         view = memoryview(buf)
     except TypeError:
@@ -123,9 +124,34 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
     return arr.ctypes.data, arr.nbytes, arr
 
 
+def _writable_bytes(buf) -> memoryview:
+    """A writable 1-D byte view of a C-contiguous buffer, for the single-key gets that copy into it by
+    slice assignment; anything else is refused with _buffer_address's errors (never a silent copy)."""
+    try:
+        view = memoryview(buf)
+    except (TypeError, ValueError, NotImplementedError):
+        view = None
+    if view is not None and not view.readonly and view.c_contiguous:
+        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+    _, _, arr = _buffer_address(buf, writable=True)  # raises, or gives a uint8 array over buf's bytes
+    return memoryview(arr).cast("B")
+
+
 def _bytes_address(b: bytes) -> int:
     """Address of an immutable bytes object's payload (valid while `b` lives)."""
     return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
+def _bytes_payload_offset() -> int | None:
+    """Where this interpreter keeps a bytes object's payload from its id(), measured against ctypes on two
+    objects; None where id() is not an address. With it a put of bytes finds its source without
+    ctypes.cast, a fiftieth of a 4 KiB put."""
+    samples = (b"maru-shm bytes payload", bytes(range(256)) * 3)
+    offsets = {_bytes_address(b) - id(b) for b in samples}
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+_BYTES_PAYLOAD = _bytes_payload_offset()
 
 
 def check_timeout(timeout) -> float:
@@ -312,11 +338,6 @@ class Store:
         """Is the process whose owner id (slot + 1) this is alive? (Its SLOT lock is held while it lives.)"""
         return self.procs.alive(owner_plus1)
 
-    def flush_counters(self) -> None:
-        """Publish this process's counters into its slot (every call does; stats() reads them)."""
-        if self.procs.slot >= 0:
-            self.counters.flush()
-
     # ---------------------------------------------------------------- sizes
     @_entry
     def declare_size(self, nbytes: int) -> int:
@@ -343,7 +364,7 @@ class Store:
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} destinations for {len(darr)} keys")
         out = self.reader.get_batch(darr, pieces_list)
-        self.flush_counters()
+        self.counters.flush()
         return out
 
     @_entry
@@ -369,9 +390,9 @@ class Store:
     @_entry
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
-        addr, cap, keep = _buffer_address(out, writable=True)
-        length = self.reader.get_one_into(key_digest(key), addr, cap)
-        del keep
+        view = _writable_bytes(out)
+        length = self.reader.get_one_into(key_digest(key), view)
+        view.release()
         self.counters.count_get(length)
         return length
 
@@ -382,12 +403,12 @@ class Store:
             raise ValueError(f"{len(outs)} destination buffers for {len(keys)} keys")
         res: list[int | None] = []
         for key, out in zip(keys, outs):
-            addr, cap, keep = _buffer_address(out, writable=True)
-            res.append(self.reader.get_one_into(key_digest(key), addr, cap))
-            del keep
+            view = _writable_bytes(out)
+            res.append(self.reader.get_one_into(key_digest(key), view))
+            view.release()
         hits = len(res) - res.count(None)
         self.counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
-        self.flush_counters()
+        self.counters.flush()
         return res
 
     @_entry
@@ -449,7 +470,10 @@ class Store:
     @_entry
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
-        hit = self.reader.lookup(key_digest(key) if digest is None else bytes(digest))
+        d = key_digest(key) if digest is None else bytes(digest)
+        if len(d) != 16:
+            raise ValueError(f"a digest is 16 bytes, got {len(d)}")
+        hit = self.reader.lookup(d)
         return None if hit is None else hit.length
 
     # ---------------------------------------------------------------- write path
@@ -501,7 +525,7 @@ class Store:
         if relations is not None and (getattr(relations, "dtype", None) != RELATION_DTYPE or len(relations) != len(darr)):
             raise ValueError("relations must be maru_shm.chain_relations(...) records, one per key")
         out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, relations)
-        self.flush_counters()
+        self.counters.flush()
         return out
 
     @_entry
@@ -541,7 +565,7 @@ class Store:
     @_entry
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
-        self.flush_counters()
+        self.counters.flush()
         return pool_stats(self)
 
 

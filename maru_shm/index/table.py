@@ -9,6 +9,8 @@ a shard never exceeds 7/8 load: the writer evicts a cold entry first.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from .. import crashpoints as _cp
@@ -28,6 +30,9 @@ def _member(a: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
         return np.zeros(a.shape, dtype=bool)
     pos = np.minimum(np.searchsorted(sorted_values, a), sorted_values.size - 1)
     return sorted_values[pos] == a
+
+
+_HALVES = struct.Struct("<QQ")  # a digest as its two little-endian u64 halves (shard, home slot)
 
 
 class Index:
@@ -59,10 +64,10 @@ class Index:
 
     # -- addressing ---------------------------------------------------------
     def shard_of(self, d: bytes) -> int:
-        return int.from_bytes(d[0:8], "little") & self.smask
+        return _HALVES.unpack(d)[0] & self.smask
 
     def home_of(self, d: bytes) -> int:
-        return int.from_bytes(d[8:16], "little") & self.mask
+        return _HALVES.unpack(d)[1] & self.mask
 
     def entry_off(self, shard: int, pos: int) -> int:
         return self.off + shard * self.shard_bytes + pos * ENTRY_SIZE
@@ -70,8 +75,9 @@ class Index:
     # -- lock-free lookup ------------------------------------------------------
     def find(self, d: bytes):
         """(word, offset) of the entry for digest d, or None. No lock; bounded probe."""
-        base = self.off + (int.from_bytes(d[0:8], "little") & self.smask) * self.shard_bytes
-        pos = int.from_bytes(d[8:16], "little") & self.mask
+        h0, h1 = _HALVES.unpack(d)
+        base = self.off + (h0 & self.smask) * self.shard_bytes
+        pos = h1 & self.mask
         mm, unpack, mask = self.mm, ENTRY_STRUCT.unpack_from, self.mask
         for _ in range(self.slots):
             ed, word, offset = unpack(mm, base + pos * ENTRY_SIZE)
@@ -112,7 +118,7 @@ class Index:
 
     def _find_pos(self, shard: int, d: bytes):
         base = self.off + shard * self.shard_bytes
-        pos = int.from_bytes(d[8:16], "little") & self.mask
+        pos = _HALVES.unpack(d)[1] & self.mask
         mm, unpack, mask = self.mm, ENTRY_STRUCT.unpack_from, self.mask
         for _ in range(self.slots):
             ed, word, offset = unpack(mm, base + pos * ENTRY_SIZE)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
 import pytest
 
 from maru_shm import PoolClosedError, Store, ValueTooLargeError
-from maru_shm.format import ENTRY_STRUCT
+from maru_shm.format import COUNTER_NAMES, ENTRY_STRUCT
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, check_value, make_value
@@ -34,6 +35,9 @@ def test_put_get_round_trip(store):
     assert store.length_of("a") == len(v)
     assert store.get("missing") is None
     assert store.length_of("missing") is None
+    assert store.length_of(digest=key_digest("a")) == len(v)
+    with pytest.raises(ValueError, match="16 bytes"):
+        store.length_of(digest=key_digest("a")[:8])
 
 
 @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "numpy"])
@@ -77,6 +81,40 @@ def test_get_into(store):
     assert store.get_into("missing", buf) is None
     with pytest.raises(TypeError):
         store.get_into("k", bytes(4096))  # read-only destination
+
+
+def test_get_into_any_writable_layout(open_store):
+    """A single-key get copies into any C-contiguous writable buffer by its bytes, whatever its shape and
+    item type; a value the copy engine splits over threads (2 MiB, two copy threads) lands whole."""
+    s = open_store("64M", copy_threads=2)
+    small, large = make_value("s", 1, 4096), make_value("l", 1, 2 << 20)
+    assert s.put("s", small) and s.put("l", large)
+    floats = np.zeros((32, 32), dtype=np.float32)
+    assert s.get_into("s", floats) == 4096 and floats.tobytes() == small
+    view = memoryview(bytearray(5000))[100:4196]
+    assert s.get_into("s", view) == 4096 and view.tobytes() == small
+    buf = (ctypes.c_char * 4096)()
+    assert s.get_into("s", buf) == 4096 and bytes(buf) == small
+    out = np.zeros(2 << 20, dtype=np.uint8)
+    assert s.get_into("l", out) == 2 << 20 and out.tobytes() == large
+    assert s.batch_get_into(["l", "s"], [bytearray(2 << 20), floats]) == [2 << 20, 4096]
+    with pytest.raises(TypeError, match="contiguous"):
+        s.get_into("s", np.zeros((64, 128), dtype=np.uint8)[:, :64])
+    with pytest.raises(TypeError, match="read-only"):
+        s.get_into("s", np.frombuffer(bytes(4096), dtype=np.uint8))
+
+
+def test_counters_publish_per_call_and_wrap_past_2_64(store):
+    """Every call publishes this process's counters (a single-key get only the ones it changes); a
+    count past 2**64 wraps in the slot instead of failing the call."""
+    store.put("k", b"v" * 100)
+    store.get_into("k", bytearray(100))
+    store.get_into("missing", bytearray(100))
+    st = store.stats()
+    assert (st["puts"], st["hits"], st["misses"], st["bytes_read"]) == (1, 1, 1, 100)
+    store.counters.values[COUNTER_NAMES.index("bytes_written")] += 2**64
+    assert store.put("k2", b"w" * 10)
+    assert store.stats()["bytes_written"] == 110
 
 
 def test_exists_and_delete(store):
