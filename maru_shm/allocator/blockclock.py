@@ -34,6 +34,10 @@ class BlockClock:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
         self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
         self.relations = relations
+        # class id -> doom cursor at this process's last search of the whole class that took every stranded
+        # value it found. A value is stranded only by a doom pushed after its record was written (a writer of
+        # a segment born stranded pushes one too), so from then on only newer dooms strand values there.
+        self._searched_at: dict[int, int] = {}
 
     def evict_blocks(self, info: ClassInfo, m: int, stranded_only: bool = False) -> int:
         """CLASS[c] held: evict up to m blocks of the class chosen by its block CLOCK; returns blocks freed.
@@ -43,13 +47,19 @@ class BlockClock:
         then freed: word bumped first, so a reader that found the entry before it went fails its second
         word check.
         """
-        if stranded_only and not self.relations.doomed_any():
-            return 0  # no doom was ever pushed: nothing is stranded
+        since = self._searched_at.get(info.cid)
+        cursor = self.relations.cursor()
+        if stranded_only and (not self.relations.doomed_any() or since == cursor):
+            return 0  # no doom was ever pushed, or none since our last search of this class came up short
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
-        pick = self._stranded_anywhere if stranded_only else self._sweep
-        ring, rows, related = pick(info, heads, m)
+        if stranded_only:
+            ring, rows, related = self._stranded_anywhere(info, heads, m, since)
+            if len(ring) < m and self.searchable(info, len(heads)):
+                self._searched_at[info.cid] = cursor
+        else:
+            ring, rows, related = self._sweep(info, heads, m)
         if not len(ring):
             return 0
         if related is not None:
@@ -85,6 +95,7 @@ class BlockClock:
         p = j * bps + ((hand & 0xFF) if j < len(heads) and heads[j] == hand >> 8 and (hand & 0xFF) < bps else 0)
         p %= n
         chunk = max(4 * m, 512)
+        since = self._searched_at.get(info.cid)  # dooms before it stranded nothing left in the class
         picked: list[np.ndarray] = []
         rows: list[np.ndarray] = []
         related: list[tuple] = []
@@ -95,7 +106,7 @@ class BlockClock:
             g, q, eligible, ref = self._read(info, heads, ring)
             if t >= n and picked:
                 eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
-            victims, chosen = self._choose(g, q, eligible, ref, m - got, related)
+            victims, chosen = self._choose(g, q, eligible, ref, m - got, related, since)
             got += len(victims)
             end = int(victims.max()) + 1 if got == m else len(ring)
             passed = (eligible & ref & ~chosen)[:end]  # second chances: cleared as the hand passes
@@ -125,9 +136,10 @@ class BlockClock:
         """Is a class of this many slabs small enough to be searched whole for stranded values?"""
         return self.relations.enabled and 0 < nslabs * info.bps <= STRANDED_SCAN
 
-    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int):
+    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None):
         """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks; the hand
         stays): the pages of a request whose partner another class evicted are rarely near this class's hand.
+        Only by dooms pushed from cursor `since` on, if given: the class was searched whole up to it.
         (ring positions, meta rows, (records, stranded through the parent)) as _sweep."""
         none = np.zeros(0, dtype=np.int64), None, None
         if not self.searchable(info, len(heads)):
@@ -138,13 +150,13 @@ class BlockClock:
         valid &= eligible
         if not valid.any():
             return none
-        by_group, by_parent = self.relations.stranded(recs, valid)
+        by_group, by_parent = self.relations.stranded(recs, valid, since)
         victims = np.flatnonzero(valid & (by_group | by_parent))[:m]
         if not len(victims):
             return none
         return ring[victims], q[victims], (recs[victims], by_parent[victims])
 
-    def _choose(self, g, q, eligible, ref, want: int, related: list):
+    def _choose(self, g, q, eligible, ref, want: int, related: list, since: int | None):
         """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
 
         Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
@@ -162,7 +174,7 @@ class BlockClock:
             chosen = np.zeros(len(g), dtype=bool)
             chosen[victims] = True
             return victims, chosen
-        by_group, by_parent = rel.stranded(rows, valid)
+        by_group, by_parent = rel.stranded(rows, valid, since)
         stranded = eligible & (by_group | by_parent)
         plain = _tail_first(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
         victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]

@@ -115,8 +115,9 @@ class Allocator:
         of evicting further requests' pages. Classes larger than STRANDED_SCAN blocks are left to their own
         evictions (which take stranded values first)."""
         freed = 0
+        nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
         for info in self.class_table.classes:
-            if info is None or not self.clock.searchable(info, len(self.slabs.class_slabs(info.cid))):
+            if info is None or not self.clock.searchable(info, int(nslabs[info.cid])):
                 continue
             with self.locks.class_lock(info.cid):
                 freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)

@@ -102,12 +102,17 @@ class Relations:
         valid = (rows["group"] != 0) & (rows["tag"] == (words & np.uint64(0xFFFF)).astype(np.uint16))
         return rows, valid
 
-    def stranded(self, rows: np.ndarray, valid: np.ndarray):
-        """(by group, by parent): masks of the values a doom pushed after their birth strands."""
+    def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
+        """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
+        cursor), only the dooms pushed from then on (fewer to match when the rest were searched before)."""
         none = np.zeros(len(rows), dtype=bool)
         if not valid.any():
             return none, none
-        ring = self.ring.copy()  # one read: other processes push meanwhile
+        new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
+        if new is not None and new < DOOM_ENTRIES:
+            ring = self.ring[np.arange(since, since + new) % DOOM_ENTRIES]  # a copy (other processes push)
+        else:
+            ring = self.ring.copy()  # one read: other processes push meanwhile
         ring = ring[ring["group"] != 0]
         if not len(ring):
             return none, none

@@ -79,6 +79,31 @@ def test_a_partner_page_goes_with_its_request(open_store):
     assert_clean(s)
 
 
+def test_a_class_searched_whole_is_searched_again_only_after_a_doom(open_store, pool_path):
+    """A stranded search that took everything it found is not repeated until some process pushes a doom;
+    then only the newer dooms are matched, and what they strand is found."""
+    s = open_store("32M")
+    other = open_store(path=pool_path, create=False)
+    keys = _put_chain(s, "c", 6, 64 * KiB, True, group=7)
+    _put_chain(s, "d", 6, 64 * KiB, True, group=8)
+    alloc = s.att.alloc
+    info = alloc.head_of(s.reader.lookup(key_digest(keys[0])).offset)[1]
+    searches = []
+    search = alloc.clock._stranded_anywhere
+    alloc.clock._stranded_anywhere = lambda *a: searches.append(a[-1]) or search(*a)
+
+    def reclaim():
+        with alloc.locks.class_lock(info.cid):
+            return alloc.clock.evict_blocks(info, 1 << 20, stranded_only=True)
+    other.doom_segment(99)  # a doom of no stored segment: the search finds nothing
+    assert reclaim() == 0 and searches == [None]
+    assert reclaim() == 0 and searches == [None]  # no doom since: not searched again
+    other.doom_segment(7)
+    assert reclaim() == 6 and len(searches) == 2 and searches[1] is not None
+    assert s.batch_exists(keys) == [False] * 6 and s.batch_exists([f"d-{i}" for i in range(6)]) == [True] * 6
+    assert_clean(s)
+
+
 def test_stranded_rules():
     """The rule of section 6a on a scratch ring: group dooms at or below the depth, parent dooms at or below the
     branch point, only dooms pushed at or after the record's birth, TRAILING dooms the whole segment."""
