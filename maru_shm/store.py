@@ -92,10 +92,9 @@ def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
     """(address, nbytes, keepalive) of a C-contiguous buffer; anything else is refused.
 
     Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
-    value loaded into it would be lost while the call reported a hit. ctypes' `from_buffer` refuses a
-    read-only or non-contiguous buffer itself; it is the cheap form (a fifth of numpy's) for the writable
-    buffers single-key calls pass, and `bytes` find their payload at a fixed distance from id() (measured
-    against ctypes at import, `_bytes_payload_offset`).
+    value loaded into it would be lost while the call reported a hit. `bytes` find their payload at a fixed
+    distance from id() (measured against ctypes at import, `_bytes_payload_offset`); other writable
+    buffers take ctypes' `from_buffer` (a fifth of numpy's cost), which refuses a non-contiguous one itself.
     """
     if type(buf) is bytes and not writable:
         return (id(buf) + _BYTES_PAYLOAD if _BYTES_PAYLOAD is not None else _bytes_address(buf)), len(buf), buf
@@ -129,7 +128,7 @@ def _writable_bytes(buf) -> memoryview:
     slice assignment; anything else is refused with _buffer_address's errors (never a silent copy)."""
     try:
         view = memoryview(buf)
-    except (TypeError, ValueError, NotImplementedError):
+    except TypeError:
         view = None
     if view is not None and not view.readonly and view.c_contiguous:
         return view if view.ndim == 1 and view.format == "B" else view.cast("B")

@@ -47,10 +47,10 @@ class BlockClock:
         then freed: word bumped first, so a reader that found the entry before it went fails its second
         word check.
         """
-        since = self._searched_at.get(info.cid)
-        cursor = self.relations.cursor()
-        if stranded_only and (not self.relations.doomed_any() or since == cursor):
-            return 0  # no doom was ever pushed, or none since our last search of this class came up short
+        if stranded_only:
+            since, cursor = self._searched_at.get(info.cid), self.relations.cursor()
+            if not self.relations.doomed_any() or since == cursor:
+                return 0  # no doom was ever pushed, or none since our last search of this class came up short
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
