@@ -20,20 +20,24 @@ The rules (FORMAT.md section 8 relies on the first two):
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import queue
 import threading
 
 import numpy as np
 
+from .copyplan import copy_job, plan, split
 from .idlecores import IdleCores
 
 MIN_THREADED_BYTES = 2 << 20  # below this, waking a worker costs more than it saves (about 20 us)
-# Threads take the GIL back after every piece; a contended hand-off wakes the other thread (tens of
-# microseconds on a virtual machine whose idle vCPU halted). Measured here, 64 KiB pieces (128 KiB pages)
-# ran at 0.75-0.9 of one thread, 1 MiB pieces (2 MiB pages) at 1.2-1.3 times: threads only from this size.
+# Threads take the GIL back after every job; a contended hand-off wakes the other thread (tens of
+# microseconds on a virtual machine whose idle vCPU halted). Measured here, jobs of 64 KiB (128 KiB pages
+# whose pieces form no strided run) ran at 0.75-0.9 of one thread, of 1 MiB at 1.2-1.3 times: threads only
+# when the jobs average this size.
 MIN_THREADED_PIECE = 256 << 10
 CUT = 4 << 20                 # pieces above this are cut into CUT-byte parts, so that threads share them
+PLAN_BYTES = 1 << 20          # smaller batches are copied piece by piece (planning costs 20-40 us)
 BACKOFF = 32                  # batches run alone after two in a row in which the workers barely helped
 MAX_THREADS = 64
 
@@ -94,12 +98,22 @@ class _Job:
         self.helped = 0  # pieces the workers copied (the busy detector)
 
 
-def _copy_all(pieces) -> int:
+def _copy_all(jobs) -> int:
+    """Copy (dst, src, nbytes, rows, dst_stride, src_stride) jobs (copyplan.py); the number copied."""
     memmove, n = ctypes.memmove, 0
-    for d, s, b in pieces:
-        memmove(d, s, b)
+    for d, s, b, rows, dst_stride, src_stride in jobs:
+        if rows == 1:
+            memmove(d, s, b)
+        else:
+            copy_job(d, s, b, rows, dst_stride, src_stride)
         n += 1
     return n
+
+
+def _pieces(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
+    """Plain pieces as jobs of one row."""
+    return zip(dst.tolist(), src.tolist(), nb.tolist(), itertools.repeat(1), itertools.repeat(0),
+               itertools.repeat(0))
 
 
 def _worker(inbox: queue.SimpleQueue) -> None:
@@ -133,25 +147,37 @@ class CopyEngine:
         self.batches_threaded = 0
         self.batches_alone = 0
 
-    def run(self, dst, src, nb) -> None:
-        """Copy nb[i] bytes from src[i] to dst[i] for every i (sequences or int64 arrays of equal length)."""
+    def run(self, dst, src, nb, period: int = 1) -> None:
+        """Copy nb[i] bytes from src[i] to dst[i] for every i (sequences or int64 arrays of equal length).
+        `period`: pieces per value, when every value has that many (a page's K and V: 2); it lets the plan
+        find the runs of each piece of a value (copyplan.py)."""
         dst, src, nb = (np.asarray(a, dtype=np.int64) for a in (dst, src, nb))
-        if self.threads == 1 or len(nb) < 2 and (not len(nb) or nb[0] <= CUT):
-            _copy_all(zip(dst.tolist(), src.tolist(), nb.tolist()))
+        n = len(nb)
+        if n < 2 and (not n or nb[0] <= CUT):
+            _copy_all(_pieces(dst, src, nb))
             return
-        dst, src, nb = merge_runs(dst, src, nb)
-        pieces = zip(dst.tolist(), src.tolist(), nb.tolist())
+        total = int(nb.sum())
+        jobs = plan(dst, src, nb, period) if total >= PLAN_BYTES else None
+        if jobs is None:
+            if self.threads == 1:
+                _copy_all(_pieces(dst, src, nb))
+                return
+            dst, src, nb = merge_runs(dst, src, nb)
+            jobs = list(_pieces(dst, src, nb))
         helpers = 0
-        if self._busy > 0:
+        if self.threads > 1 and self._busy > 0:
             self._busy -= 1
-        elif len(nb) > 1 and int(nb.sum()) >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(nb)):
-            helpers = min(self.threads, self.cores.free(), len(nb)) - 1
+        elif self.threads > 1 and (len(jobs) > 1 or total > CUT):
+            if total >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(jobs)):
+                helpers = min(self.threads, self.cores.free()) - 1
         if helpers < 1 or not self._use.acquire(blocking=False):
-            self.batches_alone += 1
-            _copy_all(pieces)
+            if self.threads > 1:
+                self.batches_alone += 1
+            _copy_all(jobs)
             return
         try:
-            self._threaded(pieces, helpers)
+            part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
+            self._threaded(iter(split(jobs, part)), helpers)
         finally:
             self._use.release()
 

@@ -23,12 +23,13 @@ Pieces = Sequence[tuple[int, int]]  # (address, nbytes) of one value's pieces, i
 class PieceTable:
     """Every piece of a batch: address, size and value, flat; and each value's length in bytes."""
 
-    __slots__ = ("n", "addrs", "sizes", "value", "within", "lengths")
+    __slots__ = ("n", "addrs", "sizes", "value", "within", "lengths", "period")
 
     def __init__(self, addrs: np.ndarray, sizes: np.ndarray, value: np.ndarray, within: np.ndarray,
-                 lengths: np.ndarray):
+                 lengths: np.ndarray, period: int = 1):
         self.n = len(lengths)
         self.addrs, self.sizes, self.value, self.within, self.lengths = addrs, sizes, value, within, lengths
+        self.period = period  # pieces per value when every value has as many (the copy plan's columns), else 1
 
     @classmethod
     def of(cls, pieces_list, n: int) -> "PieceTable":
@@ -44,7 +45,7 @@ class PieceTable:
             ends = np.cumsum(sizes, axis=1)
             k = a.shape[1]
             return cls(a[:, :, 0].reshape(-1), sizes.reshape(-1), np.repeat(np.arange(n), k),
-                       (ends - sizes).reshape(-1), ends[:, -1] if k else np.zeros(n, dtype=np.int64))
+                       (ends - sizes).reshape(-1), ends[:, -1] if k else np.zeros(n, dtype=np.int64), max(1, k))
         if len(pieces_list) != n:
             raise ValueError(f"{len(pieces_list)} piece lists for {n} values")
         counts = [len(p) for p in pieces_list]
@@ -59,7 +60,8 @@ class PieceTable:
         ends = np.cumsum(sizes)
         lengths = np.bincount(value, weights=sizes, minlength=n).astype(np.int64)
         starts = np.cumsum(lengths) - lengths  # where each value's pieces begin in the running total
-        return cls(a[:, 0], sizes, value, ends - sizes - starts[value], lengths)
+        period = counts[0] if counts and counts[0] and counts.count(counts[0]) == n else 1
+        return cls(a[:, 0], sizes, value, ends - sizes - starts[value], lengths, period)
 
     def into(self, rows, bases) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(destination, source, nbytes) int64 arrays, for copying values `rows` into memory at `bases`."""

@@ -142,7 +142,7 @@ class VectorPut(_PutBatch):
         """Every piece into its block by the copy engine (one piece at a time when a crash point is armed)."""
         dsts, srcs, nbs = self.pieces.into(self.placed_i, self.att.data + self.offs)
         if _cp.ARMED is None:
-            self.engine.run(dsts, srcs, nbs)
+            self.engine.run(dsts, srcs, nbs, self.pieces.period)
         else:
             for dst, addr, nb in zip(dsts.tolist(), srcs.tolist(), nbs.tolist()):
                 ctypes.memmove(dst, addr, nb)

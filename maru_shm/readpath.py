@@ -138,7 +138,7 @@ class ReadPath:
         if rows.size:
             offs = res.offsets[rows]
             pool_at, host_at, nb = table.into(rows, att.data + offs)  # the pieces' places in the pool
-            self.engine.run(host_at, pool_at, nb)
+            self.engine.run(host_at, pool_at, nb, table.period)
             gidx = offs >> granule_shift(att.geo)
             still = att.alloc.meta_words[gidx] == res.words[rows]
             ok[rows] = still

@@ -6,7 +6,7 @@ other, nothing imports in a cycle, and clients use only the public face of maru_
         write path, publication, put batches, batch lookup
     L2  allocator/  index/  locks  poolfile  pieces  faultguard  fence  copyengine
     L1  format (superblock, geometry, records, words, lock ids), size classes
-    L0  errors, human sizes, crash points, idle cores
+    L0  errors, human sizes, crash points, idle cores, the copy plan
 
 The imports are read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -21,7 +21,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    0: {"errors", "sizes", "crashpoints", "idlecores"},
+    0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan"},
     1: {"format", "sizeclasses"},
     2: {"allocator", "index", "locks", "poolfile", "pieces", "faultguard", "fence", "copyengine"},
     3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",

@@ -11,7 +11,7 @@ import queue
 import numpy as np
 import pytest
 
-from maru_shm import copyengine
+from maru_shm import copyengine, copyplan
 from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
 from maru_shm.idlecores import IdleCores
 
@@ -180,3 +180,81 @@ def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_stor
     assert np.array_equal(got[4096:-4096], big) and not got[:4096].any() and not got[-4096:].any()
     assert store.batch_get_pieces(["big"], [[(got.ctypes.data + 4096, len(big))]]) == [True]
     assert (store.engine.batches_threaded > 0) == (threads > 1)
+
+
+# ---------------------------------------------------------------- the copy plan (copyplan.py)
+
+def _page_batch(n: int, piece: int, block_order, host_order):
+    """A batch of n pages of two pieces each (K, V) as the data path makes it: page i's K and V go to the two
+    halves of block block_order[i]; its K comes from host row host_order[i] of the K area, its V from the
+    same row of the V area."""
+    d = np.empty(2 * n, dtype=np.int64)
+    s = np.empty(2 * n, dtype=np.int64)
+    d[0::2] = np.asarray(block_order) * 2 * piece
+    d[1::2] = d[0::2] + piece
+    s[0::2] = np.asarray(host_order) * piece
+    s[1::2] = s[0::2] + n * piece
+    return d, s, np.full(2 * n, piece, dtype=np.int64)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", ["consecutive", "two_slabs", "descending", "scattered", "contiguous"])
+def test_planned_batches_copy_exactly_the_pieces(threads, layout):
+    """Every layout of a page batch, planned into strided runs or not, copies exactly its pieces."""
+    n, piece = 64, 16 * KiB
+    rng = np.random.default_rng(len(layout))
+    blocks = {"consecutive": np.arange(n), "two_slabs": np.r_[np.arange(40), 100 + np.arange(n - 40)],
+              "descending": np.arange(n)[::-1], "scattered": rng.permutation(2 * n)[:n],
+              "contiguous": np.arange(n)}[layout]
+    d_off, s_off, nb = _page_batch(n, piece, blocks, np.arange(n))
+    if layout == "contiguous":  # one piece per page, contiguous on both sides: one merged copy
+        d_off, s_off, nb = np.arange(n) * piece, np.arange(n) * piece, np.full(n, piece, dtype=np.int64)
+    src, dst = _buffers(4 * n * piece, seed=n)
+    want = _expected(src, dst, d_off, s_off, nb)
+    engine = _always_free(CopyEngine(threads))
+    try:
+        engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb, period=1 if layout == "contiguous" else 2)
+    finally:
+        engine.close()
+    assert np.array_equal(dst, want)
+
+
+def test_the_plan_makes_one_strided_job_per_piece_of_a_page():
+    d, s, nb = _page_batch(128, 64 * KiB, np.arange(128), np.arange(128))
+    jobs = copyplan.plan(d + 4096, s + 8192, nb, period=2)
+    assert [j[2:] for j in jobs] == [(64 * KiB, 128, 128 * KiB, 64 * KiB)] * 2
+    assert [j[:2] for j in jobs] == [(4096, 8192), (4096 + 64 * KiB, 8192 + 128 * 64 * KiB)]
+    # a batch in two slabs: two runs per column
+    d, s, nb = _page_batch(128, 64 * KiB, np.r_[np.arange(100), 500 + np.arange(28)], np.arange(128))
+    assert [j[3] for j in copyplan.plan(d, s, nb, period=2)] == [100, 28, 100, 28]
+
+
+def test_the_plan_keeps_pieces_whose_destinations_overlap_plain():
+    """Destinations closer than a piece's size would overlap: numpy's row order must not decide what wins."""
+    d = np.r_[np.arange(8) * 100, 4096 + np.arange(64) * 200].astype(np.int64)
+    s = np.arange(72, dtype=np.int64) * 1000
+    nb = np.full(72, 150, dtype=np.int64)
+    jobs = copyplan.plan(d, s, nb, period=1)
+    assert jobs is not None
+    assert [j[3] for j in jobs] == [1] * 8 + [64], "the overlapping pieces stay plain, the rest is one run"
+    src, dst = _buffers(80 * KiB, seed=1)
+    want = _expected(src, dst, d, s, nb)
+    for j in jobs:
+        copyplan.copy_job(dst.ctypes.data + 4096 + j[0], src.ctypes.data + j[1], *j[2:])
+    assert np.array_equal(dst, want), "later pieces win, as with memmove in order"
+
+
+def test_the_plan_gives_up_on_pieces_without_structure():
+    d, s, nb = _scattered_plan(4 << 20, 64 * KiB, seed=4)
+    assert copyplan.plan(d, s, nb, period=1) is None
+    assert copyplan.plan(d, s, nb, period=3) is None, "a period that does not divide the batch"
+
+
+def test_split_cuts_runs_by_rows_and_pieces_by_bytes_and_covers_them():
+    jobs = [(0, 0, 64 * KiB, 128, 128 * KiB, 64 * KiB), (1 << 30, 1 << 31, 10 << 20, 1, 0, 0)]
+    parts = copyplan.split(jobs, 1 << 20)
+    runs = [p for p in parts if p[3] > 1 or p[0] < 1 << 30]
+    assert sum(p[3] for p in runs) == 128 and all(p[3] == 16 for p in runs)
+    assert [p[0] for p in runs] == [r * 128 * KiB for r in range(0, 128, 16)]
+    pieces = [p for p in parts if p[0] >= 1 << 30]
+    assert sum(p[2] for p in pieces) == 10 << 20 and max(p[2] for p in pieces) == 1 << 20
