@@ -222,6 +222,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     hfile = HiCacheFile(_storage_config({"file_storage_path": file_dir}), file_path=file_dir)
     hfile.register_mem_pool_host(host)
     limit = _Limit(host, BATCH * page_bytes)
+    caches = _ColdCaches()
     # the same copies with the destination rotating over a pool-sized mapping, as ours (fresh blocks)
     # (a span of 256 MiB or four batches is far beyond any CPU cache, and bounds the memory it takes)
     cold = _Limit(host, BATCH * page_bytes, span=min(pool_bytes, max(4 * BATCH * page_bytes, 256 << 20)))
@@ -237,7 +238,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
             with (BusyCores() if phase == "busy" else contextlib.nullcontext()):
                 for rep in range(repeat + 1):  # first round warms up, not counted
                     rows = _timed_round(maru, one, full, hfile, limit, cold, host, src, dst, page_size,
-                                        f"{phase}-{rep}")
+                                        f"{phase}-{rep}", caches, flip=bool(rep % 2))
                     if rep:
                         for name, dt in rows:
                             into[name].append(dt)
@@ -260,54 +261,69 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     return out
 
 
-def _timed_round(maru, one, full, hfile, limit, cold, host, src, dst, page_size: int, rep: str) -> list:
+class _ColdCaches:
+    """Every timed operation starts with the CPU caches holding none of its bytes.
+
+    Without it, an operation's figure depends on where it runs in the round: the first one after
+    HiCacheFile's reads its source from memory, the next ones partly from the last-level cache that the
+    one before filled with the same pages (a 16 MiB batch fits in it). Writing a buffer larger than the
+    cache before each operation puts every contestant in the same place: a batch that a GPU copy just
+    put in host memory, or pages written to the pool long ago.
+    """
+
+    SIZE = 96 << 20  # above the last-level cache of the largest server sockets (AMD EPYC: 32 MiB per CCD)
+
+    def __init__(self):
+        import numpy as np
+        self.buf = np.zeros(self.SIZE, dtype=np.uint8)
+        self.value = 0
+
+    def timed(self, fn) -> float:
+        self.value = (self.value + 1) & 0xFF
+        self.buf.fill(self.value)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def _timed_round(maru, one, full, hfile, limit, cold, host, src, dst, page_size: int, rep: str,
+                 caches: _ColdCaches, flip: bool) -> list:
     """One round: ours (set, get, set into the full pool; set and get on one thread), the copy limits and
-    HiCacheFile, back to back."""
+    HiCacheFile, back to back, each from cold caches; `flip` swaps which of ours goes first (the two
+    share one pool)."""
     rows = []
-    for name, backend in (("", maru), ("one_", one)):
+    timed = caches.timed
+
+    def check(ok, what):
+        assert all(ok), what
+
+    for name, backend in ((("one_", one), ("", maru)) if flip else (("", maru), ("one_", one))):
         keys = _page_keys(f"{page_size}-{rep}-{name}", BATCH)
-        t0 = time.perf_counter()
-        ok = backend.batch_set_v1(keys, src)
-        rows.append((f"{name}set", time.perf_counter() - t0))
-        assert all(ok), "batch_set_v1 failed"
-        t0 = time.perf_counter()
-        ok = backend.batch_get_v1(keys, dst)
-        rows.append((f"{name}get", time.perf_counter() - t0))
-        assert all(ok), "batch_get_v1 failed"
-    t0 = time.perf_counter()
-    ok = full.batch_set_v1(_page_keys(f"{page_size}-{rep}-full", BATCH), src)
-    rows.append(("set_full", time.perf_counter() - t0))
-    keys = _page_keys(f"{page_size}-{rep}", BATCH)
-    assert all(ok), "batch_set_v1 into the full pool failed"
+        rows.append((f"{name}set", timed(lambda: check(backend.batch_set_v1(keys, src), "batch_set_v1 failed"))))
+        rows.append((f"{name}get", timed(lambda: check(backend.batch_get_v1(keys, dst), "batch_get_v1 failed"))))
+    full_keys = _page_keys(f"{page_size}-{rep}-full", BATCH)
+    rows.append(("set_full", timed(lambda: check(full.batch_set_v1(full_keys, src),
+                                                 "batch_set_v1 into the full pool failed"))))
     for way in ("torch", "memmove"):
-        t0 = time.perf_counter()
-        getattr(limit, f"store_{way}")(src)
-        rows.append((f"{way}_set", time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        getattr(limit, f"load_{way}")(dst)
-        rows.append((f"{way}_get", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    cold.store_all_cores(src)
-    rows.append(("all_core_limit_set", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    cold.load_all_cores(dst)
-    rows.append(("all_core_limit_get", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    cold.store_memmove(src)
-    rows.append(("cold_limit_set", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    cold.load_memmove(dst)
-    rows.append(("cold_limit_get", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
-    assert hfile.batch_set(keys, data)
-    rows.append(("file_set", time.perf_counter() - t0))
-    t0 = time.perf_counter()
-    dummy = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
-    got = hfile.batch_get(keys, dummy)
-    for i in range(BATCH):
-        host.set_from_flat_data_page(int(dst[i * page_size]), got[i])
-    rows.append(("file_get", time.perf_counter() - t0))
+        rows.append((f"{way}_set", timed(lambda: getattr(limit, f"store_{way}")(src))))
+        rows.append((f"{way}_get", timed(lambda: getattr(limit, f"load_{way}")(dst))))
+    rows.append(("all_core_limit_set", timed(lambda: cold.store_all_cores(src))))
+    rows.append(("all_core_limit_get", timed(lambda: cold.load_all_cores(dst))))
+    rows.append(("cold_limit_set", timed(lambda: cold.store_memmove(src))))
+    rows.append(("cold_limit_get", timed(lambda: cold.load_memmove(dst))))
+    keys = _page_keys(f"{page_size}-{rep}", BATCH)
+
+    def file_set():
+        data = [host.get_data_page(int(src[i * page_size])) for i in range(BATCH)]
+        assert hfile.batch_set(keys, data)
+
+    def file_get():
+        dummy = [host.get_dummy_flat_data_page() for _ in range(BATCH)]
+        got = hfile.batch_get(keys, dummy)
+        for i in range(BATCH):
+            host.set_from_flat_data_page(int(dst[i * page_size]), got[i])
+    rows.append(("file_set", timed(file_set)))
+    rows.append(("file_get", timed(file_get)))
     return rows
 
 
