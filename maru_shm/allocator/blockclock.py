@@ -124,10 +124,14 @@ class BlockClock:
             doomed = (np.concatenate([r for r, _ in related]), np.concatenate([b for _, b in related]))
         return np.concatenate(picked), np.concatenate(rows), doomed
 
+    def _granules(self, info: ClassInfo, heads: np.ndarray, ring: np.ndarray) -> np.ndarray:
+        """Ring positions -> the granules where their blocks start."""
+        bps = info.bps
+        return (heads[ring // bps] * self.slabs.geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
+
     def _read(self, info: ClassInfo, heads: np.ndarray, ring: np.ndarray):
         """Ring positions -> (granules, meta rows, eligible, ref set): a candidate is LIVE, unowned, unpinned."""
-        geo, bps = self.slabs.geo, info.bps
-        g = (heads[ring // bps] * geo.unit_size + (ring % bps) * info.block) >> self.metas.shift
+        g = self._granules(info, heads, ring)
         q = self.metas.meta_q[g]
         owner, ref, pinned = BlockMetas.columns(q)
         return g, q, ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
@@ -145,6 +149,11 @@ class BlockClock:
         if not self.searchable(info, len(heads)):
             return none
         ring = np.arange(len(heads) * info.bps, dtype=np.int64)
+        # Records first (16 bytes a block): only a block whose group or parent a doom names is read further.
+        g = self._granules(info, heads, ring)
+        ring = ring[self.relations.named(g, since)]
+        if not len(ring):
+            return none
         g, q, eligible, _ = self._read(info, heads, ring)
         recs, valid = self.relations.of(g, q[:, 0])
         valid &= eligible

@@ -102,18 +102,34 @@ class Relations:
         valid = (rows["group"] != 0) & (rows["tag"] == (words & np.uint64(0xFFFF)).astype(np.uint16))
         return rows, valid
 
+    def named(self, g: np.ndarray, since: int | None = None) -> np.ndarray:
+        """Mask of granules g whose record's group or parent a doom names (pushed from cursor `since` on, if
+        given): the only ones `stranded` can find. Reads the records alone, not their blocks' metas, and
+        checks neither tag nor birth: a cheap first cut of a whole-class search."""
+        ring = self._entries(since)
+        if not len(ring):
+            return np.zeros(len(g), dtype=bool)
+        rows = self.records[g]
+        named = np.unique(ring["group"])
+        return np.isin(rows["group"], named) | np.isin(rows["parent"], named)
+
+    def _entries(self, since: int | None) -> np.ndarray:
+        """The ring's entries pushed from cursor `since` on (all of them without it, or once it is a whole
+        ring behind), as a copy: other processes push meanwhile."""
+        new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
+        if new is not None and new < DOOM_ENTRIES:
+            ring = self.ring[np.arange(since, since + new) % DOOM_ENTRIES]
+        else:
+            ring = self.ring.copy()
+        return ring[ring["group"] != 0]
+
     def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
         """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
         cursor), only the dooms pushed from then on (fewer to match when the rest were searched before)."""
         none = np.zeros(len(rows), dtype=bool)
         if not valid.any():
             return none, none
-        new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
-        if new is not None and new < DOOM_ENTRIES:
-            ring = self.ring[np.arange(since, since + new) % DOOM_ENTRIES]  # a copy (other processes push)
-        else:
-            ring = self.ring.copy()  # one read: other processes push meanwhile
-        ring = ring[ring["group"] != 0]
+        ring = self._entries(since)
         if not len(ring):
             return none, none
         depth = (rows["depth"] & DEPTH_MAX).astype(np.int64)
