@@ -268,9 +268,11 @@ class Index:
         (within 16 slots, up to an empty slot) either sits closer to its own
         home than to this slot, or is cleared in the same pass. All of them are
         cleared in one numpy pass, word first (a reader then sees an empty slot,
-        never a half-cleared entry). The rest (an entry a survivor would shift
-        back into, or whose cluster runs past 16 slots) take the scalar
-        `remove`, one by one, after the pass.
+        never a half-cleared entry). An entry a survivor would shift back into
+        takes the backward shift (`_delete_at`) on the slots gathered here when
+        its cluster ends within them and holds no other entry of the batch
+        (such clusters are disjoint, so the gathered rows are still current);
+        the rest take the scalar `remove`, one by one, last.
         """
         # One gather of 32 slots from each home: the probe (the key within the first 16) and the 16
         # slots after the key's entry come from the same rows.
@@ -310,21 +312,29 @@ class Index:
             clear[:] = False  # no fixpoint yet: every entry the scalar way
         removed = np.zeros(len(rows), dtype=bool)
         if clear.any():
-            at = rows[clear]
-            self.table[at, 2] = 0
-            self.table[at, 0] = 0
-            self.table[at, 1] = 0
-            self.table[at, 3] = 0
+            gone = rows[clear]
+            self.table[gone, 2] = 0
+            self.table[gone, 0] = 0
+            self.table[gone, 1] = 0
+            self.table[gone, 3] = 0
             counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
                                 strides=(SHARD_HEADER,))
             try:
-                drop = np.bincount(at // self.slots, minlength=self.nshards)
+                drop = np.bincount(gone // self.slots, minlength=self.nshards)
                 touched = np.flatnonzero(drop)
                 counts[touched] = np.maximum(counts[touched].astype(np.int64) - drop[touched], 0).astype(np.uint32)
             finally:
                 del counts
             removed[clear] = True
-        for i in np.flatnonzero(~clear & ~absent).tolist():  # the scalar remove re-checks offset and word
+        alone = named & ~clear & empty[at, first_empty] & ~(_member(win, victims) & inside).any(axis=1)
+        for i in np.flatnonzero(alone).tolist():
+            shard, hole = divmod(int(rows[i]), self.slots)
+            size = int(first_empty[i])
+            cluster = (((hole + d[:size]) & self.mask).tolist(), (after[i, :size, 1] & self.mask_u).tolist())
+            self._delete_at(shard, hole, cluster)
+            self._set_count(shard, max(0, self.count(shard) - 1))
+            removed[i] = True
+        for i in np.flatnonzero(~clear & ~alone & ~absent).tolist():  # the scalar remove re-checks offset and word
             d = halves[i].tobytes()
             removed[i] = self.remove(self.shard_of(d), d, offset=int(offsets[i]), word=int(words[i])) is not None
         return removed
@@ -350,10 +360,12 @@ class Index:
             window *= 4
         return pos.tolist(), homes.tolist()
 
-    def _delete_at(self, shard: int, hole: int) -> None:
-        """Backward-shift deletion: pull later entries of the cluster into the hole."""
+    def _delete_at(self, shard: int, hole: int, cluster=None) -> None:
+        """Backward-shift deletion: pull later entries of the cluster into the hole. `cluster`: the
+        (positions, home slots) `_cluster_after` would return, when the caller read them under the
+        shard lock."""
         mm = self.mm
-        for j, k in zip(*self._cluster_after(shard, hole)):
+        for j, k in zip(*(cluster or self._cluster_after(shard, hole))):
             stays = (hole < k <= j) if hole <= j else (k > hole or k <= j)
             if stays:
                 continue
