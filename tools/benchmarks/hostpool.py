@@ -266,21 +266,20 @@ class _ColdCaches:
 
     Without it, an operation's figure depends on where it runs in the round: the first one after
     HiCacheFile's reads its source from memory, the next ones partly from the last-level cache that the
-    one before filled with the same pages (a 16 MiB batch fits in it). Writing a buffer larger than the
+    one before filled with the same pages (a 16 MiB batch fits in it). Reading a buffer larger than the
     cache before each operation puts every contestant in the same place: a batch that a GPU copy just
-    put in host memory, or pages written to the pool long ago.
+    put in host memory, or pages written to the pool long ago. (Read, not written: dirty lines left in
+    the cache would be written back during the next operation and charge it for our flush.)
     """
 
     SIZE = 96 << 20  # above the last-level cache of the largest server sockets (AMD EPYC: 32 MiB per CCD)
 
     def __init__(self):
         import numpy as np
-        self.buf = np.zeros(self.SIZE, dtype=np.uint8)
-        self.value = 0
+        self.buf = np.ones(self.SIZE // 8, dtype=np.uint64)
 
     def timed(self, fn) -> float:
-        self.value = (self.value + 1) & 0xFF
-        self.buf.fill(self.value)
+        self.buf.sum()
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
