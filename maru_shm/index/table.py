@@ -269,10 +269,9 @@ class Index:
         home than to this slot, or is cleared in the same pass. All of them are
         cleared in one numpy pass, word first (a reader then sees an empty slot,
         never a half-cleared entry). An entry a survivor would shift back into
-        takes the backward shift (`_delete_at`) on the slots gathered here when
-        its cluster ends within them and holds no other entry of the batch
-        (such clusters are disjoint, so the gathered rows are still current);
-        the rest take the scalar `remove`, one by one, last.
+        takes `_delete_at` on the slots gathered here if its cluster ends within
+        them and holds no other victim (such clusters are disjoint, so those
+        rows are still current); the rest take the scalar `remove`, last.
         """
         # One gather of 32 slots from each home: the probe (the key within the first 16) and the 16
         # slots after the key's entry come from the same rows.
@@ -313,10 +312,8 @@ class Index:
         removed = np.zeros(len(rows), dtype=bool)
         if clear.any():
             gone = rows[clear]
-            self.table[gone, 2] = 0
-            self.table[gone, 0] = 0
-            self.table[gone, 1] = 0
-            self.table[gone, 3] = 0
+            self.table[gone, 2] = 0  # the word first
+            self.table[gone[:, None], [0, 1, 3]] = 0
             counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
                                 strides=(SHARD_HEADER,))
             try:
@@ -361,9 +358,8 @@ class Index:
         return pos.tolist(), homes.tolist()
 
     def _delete_at(self, shard: int, hole: int, cluster=None) -> None:
-        """Backward-shift deletion: pull later entries of the cluster into the hole. `cluster`: the
-        (positions, home slots) `_cluster_after` would return, when the caller read them under the
-        shard lock."""
+        """Backward-shift deletion: pull later entries of the cluster into the hole. `cluster`: what
+        `_cluster_after` returns, if the caller read it under the shard lock."""
         mm = self.mm
         for j, k in zip(*(cluster or self._cluster_after(shard, hole))):
             stays = (hole < k <= j) if hole <= j else (k > hole or k <= j)
