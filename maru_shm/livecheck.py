@@ -134,10 +134,12 @@ def check_live(view, *, timeout: float = 10.0, progress=None) -> CheckReport:
     pool = _Pool(view)
     locks = NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
     try:
-        return check_domains(pool, locks, progress)
+        report = check_domains(pool, locks, progress)
     finally:
         locks.close()
         pool.release_views()
+    view.check_intact()  # a check of zeros read for a lost page is no check
+    return report
 
 
 def check_domains(pool, locks, progress=None) -> CheckReport:

@@ -15,6 +15,7 @@ record is only reported when its lock is not held, checked twice).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import stat
@@ -22,7 +23,8 @@ import time
 
 import numpy as np
 
-from .errors import NotAPoolError, StoreError
+from . import faultguard
+from .errors import NotAPoolError, PoolDamagedError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
                      KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
                      LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
@@ -45,21 +47,36 @@ class PoolView:
     `PoolView.open(path)` maps a pool without attaching to it. `PoolView.of(store)`
     wraps an attached Store (sharing its mapping; closing the view does not
     close the store).
+
+    A page of the mapping that cannot be read (the file was truncated under the view, or its tmpfs is
+    full) would deliver SIGBUS and kill the process, an `inspect` or a `watch` as much as a server: the
+    mapping is registered with faultguard, which reads such a page as zeros, and every figure read over
+    one is refused (`check_intact`, PoolDamagedError).
     """
 
     def __init__(self, mm, geo: Geometry, path: str, lock_fd: int | None, *, self_slot: int = -1,
-                 is_device: bool = False, fds: tuple = ()):
+                 is_device: bool = False, fds: tuple = (), faults=None):
         self.mm, self.geo, self.path, self.lock_fd = mm, geo, path, lock_fd
         self.self_slot, self.is_device = self_slot, is_device
         self._fds = fds  # descriptors this view owns (closed with it)
         self._owns_map = bool(fds)
         self.ino = os.fstat(fds[0]).st_ino if fds else None
         self.dev = os.fstat(fds[0]).st_dev if fds else None
+        self.faults = faults  # the faultguard record of the mapping (a store's, for a view of a store)
+        if self._owns_map:
+            self.faults = faultguard.register(_address_of(mm), geo.file_size)
 
     @classmethod
     def of(cls, store) -> "PoolView":
         return cls(store.mm, store.geo, store.path, store.locks.fd, self_slot=store.slot,
-                   is_device=bool(store.geo.flags & FLAG_DEVICE))
+                   is_device=bool(store.geo.flags & FLAG_DEVICE), faults=store.att.faults)
+
+    def check_intact(self) -> None:
+        """Raise PoolDamagedError if a page of the mapping could not be read since it was mapped: what was
+        read from it since then may be zeros, not the pool."""
+        if self.faults is not None and self.faults.faults:
+            raise PoolDamagedError(f"a page of {self.path} could not be read (the file was truncated, or its file "
+                                   "system is full): figures read from this view are void; open it again")
 
     @classmethod
     def open(cls, path) -> "PoolView":
@@ -117,6 +134,7 @@ class PoolView:
 
     def close(self) -> None:
         if self._owns_map and self.mm is not None:
+            faultguard.unregister(self.faults)
             self.mm.close()
         self.mm = None
         for f in self._fds:
@@ -132,6 +150,26 @@ class PoolView:
 
 def _as_view(src) -> PoolView:
     return src if isinstance(src, PoolView) else PoolView.of(src)
+
+
+def _address_of(mm) -> int:
+    """Address of a mapping, read-only ones too (ctypes.from_buffer needs a writable one); no export is
+    left behind, so the mapping can still be closed."""
+    first = np.frombuffer(mm, dtype=np.uint8, count=1)
+    try:
+        return first.ctypes.data
+    finally:
+        del first
+
+
+def _intact(figure):
+    """The figure's value, only if no page of the view's mapping was lost while it was read."""
+    @functools.wraps(figure)
+    def read(src, *args, **kwargs):
+        out = figure(src, *args, **kwargs)
+        _as_view(src).check_intact()
+        return out
+    return read
 
 
 def _column(mm, off: int, count: int, stride: int, dtype: str) -> np.ndarray:
@@ -200,6 +238,7 @@ def _index_shape(v: PoolView) -> dict:
     }
 
 
+@_intact
 def index_shape(src) -> dict:
     """Entries, capacity, load factor and probe lengths of the index."""
     return _index_shape(_as_view(src))
@@ -248,6 +287,7 @@ def _stranded_bytes(snap: _Snapshot, granules, words, lengths) -> int:
     return int(lengths[valid & (by_group | by_parent)].sum())
 
 
+@_intact
 def class_table(src) -> list[dict]:
     """Per size class in use: slabs, blocks used/free, live payload, internal fragmentation."""
     return _class_rows(_Snapshot(_as_view(src)))
@@ -294,6 +334,7 @@ def _processes(v: PoolView) -> list[dict]:
     return out
 
 
+@_intact
 def processes(src) -> list[dict]:
     """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held), counters."""
     return _processes(_as_view(src))
@@ -330,6 +371,7 @@ def _dirty_locks(v: PoolView) -> list[dict]:
     return out
 
 
+@_intact
 def dirty_locks(src) -> list[dict]:
     """Locks whose last holder died inside its critical section (repaired at next use)."""
     return _dirty_locks(_as_view(src))
@@ -343,6 +385,7 @@ def _counters(v: PoolView, procs: list[dict]) -> dict:
     return dict(zip(COUNTER_NAMES, (t & (2**64 - 1) for t in total)))
 
 
+@_intact
 def counters(src) -> dict:
     """Pool-wide counters: retired totals plus every claimed slot's own."""
     v = _as_view(src)
@@ -369,6 +412,7 @@ def _space(snap: _Snapshot) -> dict:
     }
 
 
+@_intact
 def pool_stats(src) -> dict:
     """Pool-wide figures as one flat dict (what Store.stats() returns)."""
     v = _as_view(src)
@@ -403,6 +447,7 @@ def pool_stats(src) -> dict:
     return s
 
 
+@_intact
 def report(src) -> dict:
     """Everything `maru-shm inspect` shows, as one JSON-ready dict (keys documented in docs/CLI.md)."""
     v = _as_view(src)

@@ -258,7 +258,15 @@ def cmd_watch(args) -> int:
                     note = None
                 except (StoreError, OSError) as e:
                     note = f"{args.path}: {e}"
-            rep = _report(view) if view is not None else None
+            rep = None
+            if view is not None:
+                try:
+                    rep = _report(view)
+                except StoreError as e:  # the pool lost pages under the view: look again at the next tick
+                    note = f"{args.path}: {e}"
+                    view.close()
+                    view = None
+                    prev = None
             stamp = time.strftime("%H:%M:%S")
             if args.json:
                 if rep is not None:

@@ -60,6 +60,34 @@ def test_truncation_under_an_attached_store_is_an_error_not_sigbus(pool_path):
         assert s.get("k1") is None and s.put("k1", b"new")
 
 
+def test_truncation_under_a_read_only_view_is_an_error_not_sigbus(pool_path):
+    """`maru-shm inspect`, `watch` and `check` read the pool through a read-only mapping (PoolView); the file
+    shrunk under it must void their figures with PoolDamagedError, not kill them, and the view still closes."""
+    out = run_py("""
+        import os, sys
+        from maru_shm import PoolDamagedError, PoolView, Store, pool_report
+        from maru_shm.livecheck import check_live
+        from maru_shm.poolview import class_table, counters, pool_stats, processes
+        path = sys.argv[1]
+        with Store.open(path, "32M", create=True) as s:
+            for i in range(64):
+                assert s.put(f"k{i}", bytes([i]) * 200_000)
+        view = PoolView.open(path)
+        assert pool_report(view)["index"]["entries"] == 64  # intact: figures as usual
+        os.truncate(path, 4096)                  # another process or user does this
+        for figure in (pool_report, pool_stats, class_table, processes, counters, check_live):
+            try:
+                figure(view)
+            except PoolDamagedError as e:
+                assert "could not be read" in str(e), e
+            else:
+                raise SystemExit(f"{figure.__name__} on a truncated pool did not raise")
+        view.close()
+        print("closed")
+    """, pool_path)
+    assert "closed" in out
+
+
 def test_processes_attached_to_a_truncated_pool_all_see_an_error(pool_path):
     """One process truncates the file while three others are attached and busy (so the truncation lands
     inside their calls, mid-copy or mid-lookup: the fault guard absorbs that SIGBUS)."""

@@ -331,6 +331,20 @@ def test_watch_when_piped(pool_path):
     assert len(lines) == 2 and all(json.loads(x)["index"]["entries"] == 220 for x in lines)
 
 
+def test_watch_survives_the_pool_truncated_under_it(pool_path):
+    """A pool shrunk between two refreshes: watch says so and goes on (it reopens the pool at the next tick),
+    it is not killed by SIGBUS."""
+    fill(pool_path)
+    p = subprocess.Popen([*CLI, "watch", pool_path, "--interval", "0.3", "--count", "4"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+    first = p.stdout.readline()
+    assert first.startswith(f"--- {pool_path} "), first + p.stderr.read()
+    os.truncate(pool_path, 4096)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, (p.returncode, out, err)
+    assert "could not be read" in out or "truncated" in out, out
+
+
 def test_store_stats_and_inspect_agree(pool_path):
     fill(pool_path)
     from maru_shm.poolview import PoolView, class_table, pool_stats
