@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import time
 
-from tools.mooncake_local import MooncakeCluster, unavailable  # noqa: F401  (re-exported for the tests)
+from tools.mooncake_local import MooncakeCluster, unavailable
+
+__all__ = ["MooncakeCluster", "unavailable", "tiered", "wait_attached", "node_reader"]  # the first two re-exported
 
 
 def tiered(pool: str, settings: dict, *, pages: int, retry_s: float = 0.2, **kw):

@@ -550,7 +550,7 @@ def test_slab_mid_free(pool_path):
         n = s.geo.n_units // s.alloc.class_for(WIDE).k * per_slab
         expected = seed(s, n, WIDE, tag="wide")
         assert s.alloc.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
-    run_child(pool_path, "slab.mid_free", f"""
+    run_child(pool_path, "slab.mid_free", """
         s = Store.open(path)
         s.put("other", make_value("other", 1, 70000))
     """)
@@ -708,7 +708,7 @@ def test_put_before_free_with_a_key_named_twice_in_the_batch(pool_path, n):
     free. Dying before that free must leave the first block to the reaper (owned by the dead process),
     not disowned as if it were still published: a LIVE, unowned, unindexed block is an orphan that only a
     full repair would ever free."""
-    expected = new_pool(pool_path)
+    new_pool(pool_path)
     run_child(pool_path, "put.before_free", f"""
         s = Store.open(path)
         keys = ["twice"] + [f"other{{i}}" for i in range({n} - 2)] + ["twice"]

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from maru_shm import PoolClosedError, PoolDamagedError, Store, StoreError
+from maru_shm import PoolClosedError, Store, StoreError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
