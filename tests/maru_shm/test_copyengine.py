@@ -10,6 +10,8 @@ import queue
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from maru_shm import copyengine, copyplan
 from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
@@ -258,3 +260,60 @@ def test_split_cuts_runs_by_rows_and_pieces_by_bytes_and_covers_them():
     assert [p[0] for p in runs] == [r * 128 * KiB for r in range(0, 128, 16)]
     pieces = [p for p in parts if p[0] >= 1 << 30]
     assert sum(p[2] for p in pieces) == 10 << 20 and max(p[2] for p in pieces) == 1 << 20
+
+
+@st.composite
+def _piece_batches(draw):
+    """A batch mixing strided runs (ascending or descending on either side) and loose pieces of any size,
+    zero included; destinations never overlap (the engine's rule), sources may."""
+    d, s, nb = [], [], []
+    at = 0  # the destination space is handed out segment by segment
+    for _ in range(draw(st.integers(1, 5))):
+        rows = draw(st.integers(1, 24))
+        size = draw(st.sampled_from([0, 1, 100, 4096, 5000, 16 * KiB]))
+        kind = draw(st.sampled_from(["run", "run, sources scattered", "loose"]))
+        if kind != "loose":  # a run of destinations at a constant distance; sources too, or anywhere
+            gap = draw(st.sampled_from([0, 8, 4096]))
+            step = size + gap
+            order = range(rows) if draw(st.booleans()) else range(rows - 1, -1, -1)
+            sstep = draw(st.sampled_from([size, -size, 2 * size + 64, 0]))
+            s0 = draw(st.integers(0, 64)) + (rows * abs(sstep) if sstep < 0 else 0)
+            for r in order:
+                d.append(at + r * step)
+                s.append(s0 + r * sstep if kind == "run" else draw(st.integers(0, 1 << 16)))
+                nb.append(size)
+            at += rows * step + draw(st.integers(0, 4096))
+        else:  # loose pieces of mixed sizes in a shuffled order
+            sizes = [draw(st.sampled_from([0, 7, 4096, 9000])) for _ in range(rows)]
+            slots = list(range(rows))
+            draw(st.randoms(use_true_random=False)).shuffle(slots)
+            offs = np.cumsum([0] + sizes[:-1])
+            for r in slots:
+                d.append(at + int(offs[r]))
+                s.append(draw(st.integers(0, 1 << 16)))
+                nb.append(sizes[r])
+            at += int(sum(sizes)) + 64
+    return np.array(d, dtype=np.int64), np.array(s, dtype=np.int64), np.array(nb, dtype=np.int64), at
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=_piece_batches(), period=st.sampled_from([1, 2, 3]), threads=st.sampled_from([1, 2]))
+def test_any_batch_copies_exactly_its_pieces(batch, period, threads):
+    """Whatever the layout, planned or not, on one thread or two: each destination piece ends up holding its
+    source bytes, and no byte outside the pieces changes (guard bytes around and between them)."""
+    d_off, s_off, nb, span = batch
+    rng = np.random.default_rng(len(nb))
+    src = rng.integers(0, 256, int((s_off + nb).max()) + 1, dtype=np.uint8)
+    dst = np.full(span + 2 * 4096, 0xEE, dtype=np.uint8)
+    want = _expected(src, dst, d_off, s_off, nb)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(copyengine, "PLAN_BYTES", 0)  # plan every batch, however small
+        mp.setattr(copyengine, "MIN_THREADED_BYTES", 0)
+        mp.setattr(copyengine, "MIN_THREADED_PIECE", 1)  # parts of at least one byte
+        mp.setattr(copyplan, "MAX_JOB_SHARE", 1)  # and keep the plan whatever its share of breaks
+        engine = _always_free(CopyEngine(threads))
+        try:
+            engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb, period=period)
+        finally:
+            engine.close()
+    assert np.array_equal(dst, want)
