@@ -127,6 +127,42 @@ def test_processes_attached_to_a_truncated_pool_all_see_an_error(pool_path):
     assert out.count("'damaged'") == 3, out
 
 
+def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_path):
+    """The file shrinks while the copy engine's workers copy in and out of it (8 MiB batches of 512 KiB
+    values, two copy threads): the SIGBUS then lands in a worker thread too, which the guard absorbs as
+    well, and the batch call raises PoolDamagedError."""
+    out = run_py("""
+        import os, sys, threading, time
+        import numpy as np
+        from maru_shm import Store, PoolDamagedError, copyengine
+        path = sys.argv[1]
+        s = Store.open(path, "128M", create=True, copy_threads=2)
+        s.engine.cores.free = lambda: 2  # however busy the machine: the workers copy
+        copyengine.BACKOFF = 0  # every batch, even after workers that were slow to help
+        page = 512 << 10  # at or above MIN_THREADED_PIECE: threaded whatever the blocks' layout
+        src = np.random.default_rng(1).integers(0, 256, 16 * page, dtype=np.uint8)
+        dst = np.zeros(16 * page, dtype=np.uint8)
+        pieces = [[(src.ctypes.data + i * page, page)] for i in range(16)]
+        into = [[(dst.ctypes.data + i * page, page)] for i in range(16)]
+        threading.Timer(1.0, os.truncate, (path, 4096)).start()
+        n, outcome = 0, None
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                keys = [f"b{n % 4}-{i}" for i in range(16)]
+                assert all(s.batch_put_pieces(keys, pieces))
+                s.batch_get_pieces(keys, into)
+                n += 1
+        except PoolDamagedError:
+            outcome = "damaged"
+        print("outcome", outcome, "batches", n, "threaded", s.engine.batches_threaded)
+        s.close()
+    """, pool_path)
+    assert "outcome damaged" in out, out
+    batches, threaded = map(int, out.split()[3::2])
+    assert threaded > batches, out  # puts and gets on the workers, the one the truncation met included
+
+
 def test_a_sigbus_outside_any_pool_still_reaches_the_process(pool_path):
     """The guard absorbs faults inside pool mappings only: another mapping's SIGBUS keeps its default action."""
     env = dict(os.environ)
