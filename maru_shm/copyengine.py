@@ -20,14 +20,13 @@ The rules (FORMAT.md section 8 relies on the first two):
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import queue
 import threading
 
 import numpy as np
 
-from .copyplan import copy_job, plan, split
+from .copyplan import copy_job, plain_jobs, plan, split
 from .idlecores import IdleCores
 
 MIN_THREADED_BYTES = 2 << 20  # below this, waking a worker costs more than it saves (about 20 us)
@@ -110,12 +109,6 @@ def _copy_all(jobs) -> int:
     return n
 
 
-def _pieces(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
-    """Plain pieces as jobs of one row."""
-    return zip(dst.tolist(), src.tolist(), nb.tolist(), itertools.repeat(1), itertools.repeat(0),
-               itertools.repeat(0))
-
-
 def _worker(inbox: queue.SimpleQueue) -> None:
     while True:
         job = inbox.get()
@@ -154,16 +147,16 @@ class CopyEngine:
         dst, src, nb = (np.asarray(a, dtype=np.int64) for a in (dst, src, nb))
         n = len(nb)
         if n < 2 and (not n or nb[0] <= CUT):
-            _copy_all(_pieces(dst, src, nb))
+            _copy_all(plain_jobs(dst, src, nb))
             return
         total = int(nb.sum())
         jobs = plan(dst, src, nb, period) if total >= PLAN_BYTES else None
         if jobs is None:
             if self.threads == 1:
-                _copy_all(_pieces(dst, src, nb))
+                _copy_all(plain_jobs(dst, src, nb))
                 return
             dst, src, nb = merge_runs(dst, src, nb)
-            jobs = list(_pieces(dst, src, nb))
+            jobs = list(plain_jobs(dst, src, nb))
         helpers = 0
         if self.threads > 1 and self._busy > 0:
             self._busy -= 1

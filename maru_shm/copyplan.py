@@ -21,6 +21,7 @@ The rules:
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 
@@ -47,6 +48,11 @@ def copy_job(dst: int, src: int, nbytes: int, rows: int, dst_stride: int, src_st
                   np.asarray(_Raw(src, rows, nbytes, src_stride, True)))
 
 
+def plain_jobs(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
+    """Pieces (int64 arrays) as jobs of one row each, unplanned."""
+    return zip(dst.tolist(), src.tolist(), nb.tolist(), itertools.repeat(1), itertools.repeat(0), itertools.repeat(0))
+
+
 def plan(dst: np.ndarray, src: np.ndarray, nb: np.ndarray, period: int = 1) -> list[tuple] | None:
     """Jobs for pieces (int64 arrays) that come `period` to a value (a page's K and V: 2), or None when the
     pieces have too little structure to gain from it (then copy them one by one).
@@ -70,7 +76,7 @@ def _column(d: np.ndarray, s: np.ndarray, b: np.ndarray, jobs: list) -> bool:
     """Append the jobs of one column; False when it has too many breaks to be worth planning."""
     m = len(d)
     if m < MIN_ROWS:
-        jobs.extend(zip(d.tolist(), s.tolist(), b.tolist(), [1] * m, [0] * m, [0] * m))
+        jobs.extend(plain_jobs(d, s, b))
         return True
     dd, ds = np.diff(d), np.diff(s)
     # link j joins pieces j and j+1 of one run: same size, destinations apart by at least that size
@@ -122,4 +128,4 @@ def split(jobs: list[tuple], part: int) -> list[tuple]:
     return out
 
 
-__all__ = ["copy_job", "plan", "split"]
+__all__ = ["copy_job", "plain_jobs", "plan", "split"]
