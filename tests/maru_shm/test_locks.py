@@ -21,6 +21,18 @@ TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
 
 
+def descriptions_of(path) -> int:
+    """How many of this process's descriptors are open on the pool file. Counting only these keeps the
+    test blind to descriptors of earlier tests' garbage, which any collection may close."""
+    target, n = os.path.realpath(path), 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == target
+        except OSError:  # the listing's own descriptor, gone once listed
+            pass
+    return n
+
+
 def _hold_lock(path, lock_id, ready_fd, stop: bool):
     """Child: attach, take one lock, tell the parent, then SIGSTOP itself or just sit on the lock."""
     s = Store.open(path)
@@ -343,10 +355,10 @@ def _attach_only(path, lock_id, ready_fd, extra):
 def test_full_process_table_of_dead_processes_is_reaped_on_attach(open_store, pool_path, children):
     open_store("4M", proc_slots=2).close()
     pids = [_start(children, _attach_only, pool_path, 0, None) for _ in range(2)]
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = descriptions_of(pool_path)
     with pytest.raises(StoreError, match="process table"):
         Store.open(pool_path)  # both slots taken by live processes: a clear error, nothing leaked
-    assert len(os.listdir("/proc/self/fd")) == fds
+    assert descriptions_of(pool_path) == fds
     for pid in pids:
         children.kill(pid)
     s = open_store(path=pool_path, create=False)  # both holders died: their slots must be reclaimed
@@ -482,7 +494,7 @@ def test_a_thread_never_takes_a_lock_it_holds(open_store):
 def test_close_closes_every_live_thread_description(open_store, pool_path, make_value):
     """Each thread that took a lock opened its own description of the lock file; close() closes those of
     threads still running."""
-    before = len(os.listdir("/proc/self/fd"))
+    before = descriptions_of(pool_path)
     s = Store.open(pool_path, "8M", create=True)
     done, leave = threading.Barrier(5), threading.Event()
 
@@ -496,15 +508,15 @@ def test_close_closes_every_live_thread_description(open_store, pool_path, make_
         t.start()
     try:
         done.wait(30)
-        assert len(os.listdir("/proc/self/fd")) >= before + 5  # pool file and one description per thread
+        assert descriptions_of(pool_path) >= before + 5  # pool file and one description per thread
         s.close()
-        assert len(os.listdir("/proc/self/fd")) == before
+        assert descriptions_of(pool_path) == before
     finally:
         leave.set()
         for t in workers:
             t.join()
     gc.collect()  # the finished threads' state goes: nothing is closed twice
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert descriptions_of(pool_path) == before
 
 
 def test_a_finished_thread_closes_its_description(open_store, pool_path, make_value):
@@ -512,7 +524,7 @@ def test_a_finished_thread_closes_its_description(open_store, pool_path, make_va
     the process does not collect descriptors, and the pool stays usable from the threads still alive."""
     s = open_store("8M")
     s.put("warm", make_value("warm", 1, 5000))
-    before = len(os.listdir("/proc/self/fd"))
+    before = descriptions_of(pool_path)
     for round_ in range(20):
         workers = [threading.Thread(target=lambda i=i: s.put(f"k{round_}-{i}", make_value(f"k{i}", 1, 5000)))
                    for i in range(4)]
@@ -521,7 +533,7 @@ def test_a_finished_thread_closes_its_description(open_store, pool_path, make_va
         for t in workers:
             t.join()
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert descriptions_of(pool_path) == before
     assert len(s.locks._fds) == 1  # the main thread's
     assert s.get("k19-3") is not None
     assert s.check().ok
