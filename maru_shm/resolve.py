@@ -42,7 +42,7 @@ def resolve(pool, digests: np.ndarray, full: bool = True) -> Resolved:
     halves = np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1, 16).view("<u8")
     h0, h1 = halves[:, 0], halves[:, 1]
     idx, meta_q, geo = pool.index, pool.alloc.meta_q, pool.geo
-    offs, words, lengths, ok = check_entries(meta_q, geo, idx.table[idx.home_slots(h0, h1)], h0, h1)
+    offs, words, lengths, ok = check_entries(meta_q, geo, idx.home_entries(h0, h1), h0, h1)
     if not ok.all():
         again = np.flatnonzero(~ok & (words != 0))
         if again.size > SCALAR_AGAIN:
@@ -79,11 +79,11 @@ def leading_present(pool, digests: np.ndarray, length: int | None = None) -> int
         return 0  # (a block meta holds a u32 length: a longer value is never stored)
     halves = digests.view("<u8")
     idx = pool.index
-    bad = leading_mismatch(pool.alloc.meta_q, geo, idx.table[idx.home_slots(halves[:, 0], halves[:, 1])],
+    bad = leading_mismatch(pool.alloc.meta_q, geo, idx.home_entries(halves[:, 0], halves[:, 1]),
                            halves, length)
-    nz = np.flatnonzero(bad)
-    if not nz.size:
+    if not bad.any():
         return n
+    nz = np.flatnonzero(bad)
     if nz.size <= SCALAR_AGAIN:  # a few keys displaced from their home slot (or misses): the scalar lookup
         for i in nz.tolist():
             hit = lookup(idx, pool.mm, geo, digests[i].tobytes())

@@ -383,7 +383,7 @@ class Store:
         the full lookup of keys that are almost surely new.
         """
         halves = digest_array(digests).view("<u8")
-        e = self.index.table[self.index.home_slots(halves[:, 0], halves[:, 1])]
+        e = self.index.home_entries(halves[:, 0], halves[:, 1])
         return (e[:, 0] == halves[:, 0]) & (e[:, 1] == halves[:, 1]) & (e[:, 2] != 0)
 
     @_entry

@@ -29,6 +29,7 @@ import numpy as np
 from .format import LIVE, META_DIGEST_OFF, META_LENGTH_OFF, META_STRUCT, UNIT_HEAD, UNIT_TAIL, U64
 
 _LENGTH = np.uint64(0xFFFFFFFF)  # block meta bytes 24..27 of the u64 at 24: the value's length
+_STATE, _LIVE = np.uint64(3), np.uint64(LIVE)  # a word's low two bits: its state
 
 
 class Hit(NamedTuple):
@@ -103,7 +104,7 @@ def check_entries(meta_q: np.ndarray, geo, e: np.ndarray, h0: np.ndarray, h1: np
     m = meta_q[offs >> granule_shift(geo)]
     lengths = (m[:, 3] & _LENGTH).astype(np.intp)
     ok = (((m[:, 0] ^ words) | (m[:, 1] ^ h0) | (m[:, 2] ^ h1)) == 0) & inside \
-        & ((words & np.uint64(3)) == LIVE) & (offs + lengths <= geo.data_bytes)
+        & ((words & _STATE) == _LIVE) & (offs + lengths <= geo.data_bytes)
     return offs, words, lengths, ok
 
 
@@ -115,8 +116,9 @@ def leading_mismatch(meta_q: np.ndarray, geo, e: np.ndarray, halves: np.ndarray,
     """
     # an offset outside the data area reads a clipped meta, and fails its own check below
     m = meta_q.take((e[:, 3] >> np.uint64(granule_shift(geo))).view(np.int64), axis=0, mode="clip")
+    m0 = m[:, 0]
     d = m[:, 1:3] ^ halves
-    bad = (m[:, 0] ^ e[:, 2]) | d[:, 0] | d[:, 1] | ((m[:, 0] & np.uint64(3)) ^ np.uint64(LIVE))
+    bad = (m0 ^ e[:, 2]) | d[:, 0] | d[:, 1] | ((m0 & _STATE) ^ _LIVE)
     if length is None:
         bad |= (e[:, 3] >= np.uint64(geo.data_bytes)) | (e[:, 3] + (m[:, 3] & _LENGTH) > np.uint64(geo.data_bytes))
     else:  # offset + length <= data_bytes, and offset inside it

@@ -58,9 +58,10 @@ class Index:
         """Drop the numpy view so the mapping can be closed."""
         self.table = None
 
-    def home_slots(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
-        """Row of `table` holding the home slot of each digest, given its little-endian u64 halves."""
-        return (h0 & self.smask_u) * self.slots_u + (h1 & self.mask_u)
+    def home_entries(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
+        """The entry in the home slot of each digest, given its little-endian u64 halves: (n, 4) u64.
+        `take` (bounds-checked like indexing) skips the cast check that indexing by u64 rows pays."""
+        return self.table.take((h0 & self.smask_u) * self.slots_u + (h1 & self.mask_u), axis=0)
 
     # -- addressing ---------------------------------------------------------
     def shard_of(self, d: bytes) -> int:
