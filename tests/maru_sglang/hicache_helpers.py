@@ -37,15 +37,10 @@ def make_mha_host(layout: str = "page_first_direct", page_size: int = 1, pages: 
                   layer_num: int = LLAMA_8B["layer_num"], head_num: int = LLAMA_8B["head_num"],
                   head_dim: int = LLAMA_8B["head_dim"]):
     """A real MHATokenToKVPoolHost (CPU, unpinned) mirroring a real CPU MHATokenToKVPool."""
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    torch_dtype = getattr(torch, dtype)
-    device_pool = MHATokenToKVPool(size=page_size, page_size=page_size, dtype=torch_dtype, device="cpu",
-                                   enable_memory_saver=False, start_layer=0, end_layer=layer_num - 1,
-                                   enable_alt_stream=False, layer_num=layer_num, head_num=head_num,
-                                   head_dim=head_dim)
+    device_pool = make_mha_device(page_size, page_size, dtype=dtype, layer_num=layer_num, head_num=head_num,
+                                  head_dim=head_dim)
     return MHATokenToKVPoolHost(device_pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
                                 pin_memory=False, device="cpu", allocator_type="default", device_capacity_tokens=0,
                                 host_token_capacity=pages * page_size, start_layer=0, end_layer=layer_num - 1)
@@ -60,21 +55,40 @@ def make_mla_host(layout: str = "page_first_direct", page_size: int = 1, pages: 
     pages: SGLang 0.5.23 builds page_first_direct's per-layer views as kv_buffer[layer] (its dim 0 is the
     page), which fails with fewer pages than layers; real pools have far more.
     """
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-    torch_dtype = getattr(torch, dtype)
     phys = page_size // dcp_size
     pages = max(pages, layer_num)
-    device_pool = MLATokenToKVPool(size=phys, page_size=phys, dtype=torch_dtype, kv_lora_rank=kv_lora_rank,
-                                   qk_rope_head_dim=qk_rope_head_dim, layer_num=layer_num, device="cpu",
-                                   enable_memory_saver=False, start_layer=0, end_layer=layer_num - 1)
+    device_pool = make_mla_device(phys, phys, dtype=dtype, layer_num=layer_num, kv_lora_rank=kv_lora_rank,
+                                  qk_rope_head_dim=qk_rope_head_dim)
     return MLATokenToKVPoolHost(device_pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
                                 pin_memory=False, device="cpu", allocator_type="default",
                                 override_kv_cache_dim=device_pool.kv_cache_dim, dcp_size=dcp_size, dcp_rank=dcp_rank,
                                 device_capacity_tokens=0, host_token_capacity=pages * phys, start_layer=0,
                                 end_layer=layer_num - 1, target_layer_num=layer_num)
+
+
+def make_mha_device(page_size: int, tokens: int, *, dtype: str = "bfloat16", layer_num: int = LLAMA_8B["layer_num"],
+                    head_num: int = LLAMA_8B["head_num"], head_dim: int = LLAMA_8B["head_dim"]):
+    """A real CPU MHATokenToKVPool of `tokens` tokens."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(size=tokens, page_size=page_size, dtype=getattr(torch, dtype), device="cpu",
+                            enable_memory_saver=False, start_layer=0, end_layer=layer_num - 1, enable_alt_stream=False,
+                            layer_num=layer_num, head_num=head_num, head_dim=head_dim)
+
+
+def make_mla_device(page_size: int, tokens: int, *, dtype: str = "bfloat16", layer_num: int = MLA_GEOMETRY["layer_num"],
+                    kv_lora_rank: int = MLA_GEOMETRY["kv_lora_rank"],
+                    qk_rope_head_dim: int = MLA_GEOMETRY["qk_rope_head_dim"]):
+    """A real CPU MLATokenToKVPool of `tokens` tokens."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(size=tokens, page_size=page_size, dtype=getattr(torch, dtype), kv_lora_rank=kv_lora_rank,
+                            qk_rope_head_dim=qk_rope_head_dim, layer_num=layer_num, device="cpu",
+                            enable_memory_saver=False, start_layer=0, end_layer=layer_num - 1)
 
 
 def storage_config(extra: dict, *, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, model: str | None = None,
@@ -279,6 +293,35 @@ def make_v4_host(name: str, ratio: int, *, page_size: int = 256, pages: int = 8,
                                    slot_page_size=page_size, layout=layout, device="cpu", pin_memory=False)
 
 
+def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa_page_size: int = 128):
+    """A real CPU DeepSeekV4TokenToKVPool (compressed c4 / c128 KV, SWA): DeepSeek-V4's device pool.
+
+    Its constructor reads the execution config a scheduler publishes; a context made from a ServerArgs
+    over a config-only model directory (tools.sglang_stack) is active while it runs, and the process's
+    own context is left as it was (runtime_context.use_context).
+    """
+    import tempfile
+
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.runtime_context import create_context, get_parallel, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    from tools.sglang_stack import model_dir
+
+    tokens = page_size * pages
+    with tempfile.TemporaryDirectory() as models:
+        ctx = create_context(ServerArgs(model_path=model_dir(models), device="cpu", skip_tokenizer_init=True),
+                             role="scheduler")
+        with use_context(ctx), get_parallel().override(**ONE_RANK):
+            return DeepSeekV4TokenToKVPool(
+                max_num_reqs=4, swa_size=tokens, c4_size=tokens, c128_size=tokens, c4_state_pool_size=8,
+                c128_state_pool_size=8, page_size=page_size, swa_page_size=swa_page_size, dtype=torch.float8_e4m3fn,
+                c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
+                qk_rope_head_dim=64, indexer_head_dim=128, layer_num=layers, device="cpu", enable_memory_saver=False,
+                compression_ratios=[(4, 128)[i % 2] for i in range(layers)])
+
+
 def make_logical_anchor(page_size: int = 256, pages: int = 8, layout: str = "page_first_direct"):
     """DeepSeek-V4's KV anchor: page-aligned logical slots, no KV tensor (kv_buffer None)."""
     from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
@@ -355,34 +398,32 @@ def create_hybrid_file(directory: str, anchor, pools: dict, *, mla: bool, tp_ran
     return backend
 
 
-def controller_for(backend, group, cfg, *, zero_copy: bool):
-    """SGLang's HybridCacheController, with only the state its storage paths read.
+ONE_RANK = dict(tp_rank=0, tp_size=1, attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1, pp_rank=0,
+                pp_size=1, attn_dcp_rank=0, attn_dcp_size=1)
 
-    A real controller needs CUDA streams, torch.distributed groups and device pools; the storage paths
-    used here (_storage_hit_query, _sync_prefetch_hit_query, _page_backup_with_stable_layout,
-    _page_transfer, _page_transfer_sidecar) read only the attributes set below, so the instance is made
-    with object.__new__ and those attributes: SGLang's own code then runs unchanged. The page get/set
-    functions are the ones attach_storage_backend selects: zero-copy v1 for "dynamic" with interface_v1,
-    the generic (get_data_page) ones for "file".
-    """
-    from queue import Queue
 
+def hybrid_controller(device_pool, group, backend: str, extra: dict, *, model: str):
+    """SGLang's own HybridCacheController over a real HostPoolGroup, constructed as its stack assembler
+    (hybrid_pool_assembler) constructs one: a paged allocator over the device pool, one rank (no
+    torch.distributed group: the controller's all-reduces then run over none; the ranks a scheduler would
+    publish are stated with get_parallel().override). Its own attach_storage_backend creates the backend
+    with SGLang's factory, registers every pool of the group (register_mem_host_pool_v2), picks the page
+    get/set functions and starts its storage threads; detach_storage_backend() stops them and closes the
+    backend. The device pool only has to match the anchor's kind: the controller reads its type (MLA or
+    DeepSeek-V4: one writer rank), device and layer count."""
+    import threading
+
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.runtime_context import get_parallel
 
-    ctrl = object.__new__(HybridCacheController)
-    ctrl.storage_backend = backend
-    ctrl.storage_backend_type = "dynamic" if zero_copy else "file"
-    ctrl.mem_pool_host = group
-    ctrl.storage_host_pool = group.anchor_entry.host_pool
-    ctrl.page_size = group.anchor_entry.host_pool.page_size
-    ctrl.storage_config = cfg  # backup_skip is `not cfg.is_storage_writer`
-    ctrl.prefetch_hits_sync_groups = []
-    ctrl.prefetch_sync_queue = Queue()
-    ctrl.host_mem_release_queue = Queue()
-    ctrl.extra_host_mem_release_queues = {}
-    ctrl.page_get_func = ctrl._page_get_zero_copy if zero_copy else ctrl._generic_page_get
-    ctrl.page_set_func = ctrl._page_set_zero_copy if zero_copy else ctrl._generic_page_set
-    return ctrl
+    ps = group.anchor_entry.host_pool.page_size
+    allocator = PagedTokenToKVPoolAllocator(device_pool.size, ps, device_pool.dtype, "cpu", device_pool,
+                                            need_sort=False)
+    with get_parallel().override(**ONE_RANK):
+        return HybridCacheController(allocator, group, ps, None, threading.Event(), io_backend="direct",
+                                     storage_backend=backend, prefetch_threshold=ps, model_name=model,
+                                     storage_backend_extra_config=dict(extra))
 
 
 def host_pool_group(anchor, pools: dict):

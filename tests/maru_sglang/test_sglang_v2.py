@@ -46,28 +46,30 @@ P = 8  # pages [0, P) of every host pool are write sources, pages [P, 2P) read d
 
 # --------------------------------------------------------------------------- scenarios
 def build(scenario: str):
-    """(anchor, pools, shape, mla). shape[name] = (hit policy, trailing window, "kv" if KV-derived else "own")."""
+    """(anchor, pools, shape, device, mla). shape[name] = (hit policy, trailing window, "kv" if KV-derived else
+    "own"); device: the device KV pool the cache controller is built over."""
     if scenario == "mamba_swa":  # MHA KV + Mamba state (Qwen3-Next-like) + a sliding window + an MHA draft pool
         anchor = hh.make_mha_host("page_first_direct", page_size=4, pages=2 * P, layer_num=2, head_num=2, head_dim=64)
+        device = hh.make_mha_device(4, 4 * 2 * P, layer_num=2, head_num=2, head_dim=64)
         pools = {"mamba": hh.make_mamba_host(2 * P),
                  "swa": hh.make_mha_host("page_first_direct", page_size=4, pages=2 * P, layer_num=1, head_num=2,
                                          head_dim=64),
                  "draft": hh.make_mha_host("page_first_direct", page_size=4, pages=2 * P, layer_num=1, head_num=1,
                                            head_dim=64)}
         shape = {"mamba": (TRAIL, 1, "own"), "swa": (TRAIL, 3, "own"), "draft": (ALL, 0, "kv")}
-        return anchor, pools, shape, False
+        return anchor, pools, shape, device, False
     if scenario == "dsv4":  # DeepSeek-V4: logical KV anchor, compressed KV at two ratios, SWA with its own page
         anchor = hh.make_logical_anchor(256, 2 * P)
         pools = {"deepseek_v4_c4": hh.make_v4_host("deepseek_v4_c4", 4, pages=2 * P, layers=3),
                  "deepseek_v4_c128": hh.make_v4_host("deepseek_v4_c128", 128, pages=2 * P, layers=3),
                  "swa": hh.make_v4_host("swa", 1, page_size=128, pages=2 * P, layers=3)}
         shape = {"deepseek_v4_c4": (ALL, 0, "kv"), "deepseek_v4_c128": (ALL, 0, "kv"), "swa": (TRAIL, 2, "own")}
-        return anchor, pools, shape, True
+        return anchor, pools, shape, hh.make_v4_device(256, 2 * P, layers=3), True
     if scenario == "dsa":  # MLA KV + DSA indexer (KV-derived) + Mamba state (Kimi-like)
         anchor = hh.make_mla_host("page_first_direct", page_size=64, pages=2 * P, layer_num=2)
         pools = {"indexer": hh.make_dsa_indexer_host(anchor), "mamba": hh.make_mamba_host(2 * P)}
         shape = {"indexer": (ALL, 0, "kv"), "mamba": (TRAIL, 1, "own")}
-        return anchor, pools, shape, True
+        return anchor, pools, shape, hh.make_mla_device(64, 64 * 2 * P, layer_num=2), True
     raise ValueError(scenario)
 
 
@@ -76,24 +78,29 @@ def _result(r):
 
 
 class Twin:
-    """One set of real host pools, two backends on it: MaruStorage and SGLang's HiCacheFile."""
+    """One set of real host pools and two of SGLang's HybridCacheControllers on it, one attaching MaruStorage
+    ("dynamic"), one SGLang's HiCacheFile ("file"); each controller made its backend itself."""
 
     def __init__(self, scenario: str, pool_path: str, file_dir: str, *, size="64M", maru: dict | None = None):
-        self.anchor, self.pools, self.shape, mla = build(scenario)
+        self.anchor, self.pools, self.shape, device, mla = build(scenario)
         self.logical = self.anchor.kv_buffer is None
         if not self.logical:
             hh.fill_random_pages(self.anchor, P, seed=11)
         for i, host in enumerate(self.pools.values()):
             hh.fill_random_pages(host, P, seed=20 + i)
-        self.maru = hh.create_hybrid_maru(pool_path, self.anchor, self.pools, mla=mla, size=size, maru=maru)
-        self.file = hh.create_hybrid_file(file_dir, self.anchor, self.pools, mla=mla)
         group = hh.host_pool_group(self.anchor, self.pools)
-        self.ctrl = {"maru": hh.controller_for(self.maru, group, self.maru.test_config, zero_copy=True),
-                     "file": hh.controller_for(self.file, group, self.file.test_config, zero_copy=False)}
+        os.makedirs(file_dir, exist_ok=True)
+        model = hh.DEEPSEEK if mla else hh.LLAMA
+        self.ctrl = {}
+        self.ctrl["maru"] = hh.hybrid_controller(device, group, "dynamic", hh.extra_config(pool_path, size, **(maru or {})),
+                                                 model=model)
+        self.ctrl["file"] = hh.hybrid_controller(device, group, "file", {"file_storage_path": file_dir}, model=model)
+        self.maru, self.file = self.ctrl["maru"].storage_backend, self.ctrl["file"].storage_backend
         self.log: list[str] = []
 
     def close(self):
-        self.maru.close()
+        for ctrl in self.ctrl.values():
+            ctrl.detach_storage_backend()  # stops its storage threads, closes its backend
 
     def host(self, name):
         return self.anchor if name == "kv" else self.pools[name]
@@ -315,7 +322,7 @@ def test_other_models_and_pool_formats_see_no_pool_pages(twin, pool_path, tmp_pa
     t.set_v2([("mamba", keys[3:], 0)])
     t.set_v2([("draft", keys, 0)])
     assert t.exists_v2(keys, t.query(["draft", "mamba"]))[:2] == (4, {"kv": 4, "draft": 4, "mamba": 4})
-    anchor, pools, _, _ = build("mamba_swa")
+    anchor, pools, *_ = build("mamba_swa")
     other = hh.create_hybrid_maru(pool_path, anchor, pools, mla=False, model="Qwen/Qwen3-Next-80B-A3B-Instruct")
     wider = hh.create_hybrid_maru(pool_path, anchor, dict(pools, mamba=hh.make_mamba_host(2 * P, layers=3)),
                                   mla=False)
@@ -477,7 +484,7 @@ def test_a_v2_call_takes_the_pages_its_pool_already_stores_as_its_prefix(twin):
 def test_real_store_eviction_keeps_hicache_file_semantics(pool_path, tmp_path):
     """Fill a small pool to 3x its size so the store itself evicts pages of every pool; then HiCacheFile holding
     exactly the pages that survived gives the same answers, KV-less orphans included."""
-    _, pools, _, _ = build("mamba_swa")
+    _, pools, *_ = build("mamba_swa")
     anchor = hh.make_mha_host("page_first_direct", page_size=16, pages=2 * P, layer_num=2, head_num=2, head_dim=64)
     pools["draft"] = hh.make_mha_host("page_first_direct", page_size=16, pages=2 * P, layer_num=2, head_num=1,
                                       head_dim=64)
@@ -653,10 +660,10 @@ def test_controller_backup_and_prefetch_paths_agree_with_hicache_file(twin):
                 "swa": (t.pools["swa"], slot_indices(t.pools["swa"], P + 3, 3), 3)}
         for host, idx, k in dest.values():
             hh.zero_pool_pages(host, idx, k)
-        ctrl._page_transfer_with_stable_layout(pf)
+        ctrl._page_transfer_with_stable_layout(pf)  # as the io thread runs it; the sync thread forwards the acks
         acks = []
-        while not ctrl.prefetch_sync_queue.empty():
-            a = ctrl.prefetch_sync_queue.get()
+        while not acks or acks[-1][1] == {}:  # up to the sidecars' ack, the last the transfer emits
+            a = ctrl.ack_prefetch_queue.get(timeout=60)
             acks.append((a.completed_tokens, dict(a.pool_hits or {}), a.completed_req))
         loaded = {name: hh.pool_page_bytes(host, idx, k) for name, (host, idx, k) in dest.items()}
         out[side] = (backup, query, acks, loaded)
