@@ -7,6 +7,7 @@ use P2PHANDSHAKE over tcp. Objects live in the storage process, which contribute
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ while rc == 0:
 def unavailable() -> str | None:
     """Why a real Mooncake Store cannot run here, or None."""
     try:
-        import mooncake.store  # noqa: F401
+        importlib.import_module("mooncake.store")  # loading it is the check: its native library may be missing
     except Exception as e:  # ImportError, or OSError when libibverbs.so.1 is missing
         return (f"mooncake cannot be imported ({type(e).__name__}: {e}); install it with "
                 f"`pip install --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1` and Debian's libibverbs1 "
