@@ -59,8 +59,7 @@ class Index:
         self.table = None
 
     def home_entries(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
-        """The entry in the home slot of each digest, given its little-endian u64 halves: (n, 4) u64.
-        `take` (bounds-checked like indexing) skips the cast check that indexing by u64 rows pays."""
+        """Entries (n, 4) in the home slots of digests given as u64 halves (take: no cast check of u64 rows)."""
         return self.table.take((h0 & self.smask_u) * self.slots_u + (h1 & self.mask_u), axis=0)
 
     # -- addressing ---------------------------------------------------------
