@@ -51,6 +51,7 @@ CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head 
 CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
 CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
 CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = 40, 48, 56  # block CLOCK hand u64, decayed demand u64, its epoch u32
+CLS_RELATED = 60  # u32: nonzero once a value with a relation record may have been written into the class
 KIND_UNUSED, KIND_EXACT = 0, 2
 KIND_GEOMETRIC = KIND_GEOMETRIC  # defined with the size classes (sizeclasses.py), a kind like the others
 

@@ -67,6 +67,8 @@ class WritePath:
         if skip_existing and not assume_absent:
             present = resolve(self.att, digest_array(darr), full=False).ok.tolist()
         groups = self._by_class(lengths, present, res, one_class=not small and present is None)
+        if relations is not None:
+            self.att.alloc.relations.mark_classes(groups)  # before any record of this call is written
         dooms = self.att.alloc.relations.cursor() if relations is not None else None
         placed_i, placed_off = self._reserve(groups, darr, lengths, small)
         if dooms is not None and self.att.alloc.relations.cursor() != dooms:

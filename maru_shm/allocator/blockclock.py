@@ -137,8 +137,9 @@ class BlockClock:
         return g, q, ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
 
     def searchable(self, info: ClassInfo, nslabs: int) -> bool:
-        """Is a class of this many slabs small enough to be searched whole for stranded values?"""
-        return self.relations.enabled and 0 < nslabs * info.bps <= STRANDED_SCAN
+        """Is a class of this many slabs worth searching whole for stranded values: small enough, and one
+        that values with records were written into (MaruStorage's namespace record has none)?"""
+        return 0 < nslabs * info.bps <= STRANDED_SCAN and self.relations.in_class(info.cid)
 
     def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None):
         """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks; the hand

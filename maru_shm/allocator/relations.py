@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
+from ..format import CLS_RELATED, DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
 
 TRAILING = 1 << 15   # `depth` flag: losing this value strands its whole segment
 DEPTH_MAX = TRAILING - 1  # positions saturate here (a segment is one set call: SGLang sends 128 pages)
@@ -69,6 +69,21 @@ class Relations:
     def cursor(self) -> int:
         """Dooms pushed so far (mod 2^32); its low 16 bits are the `born` of a record written now."""
         return U32.unpack_from(self.mm, DOOM_CURSOR_OFF)[0]
+
+    # ---------------------------------------------------------------- which classes may hold records
+    def mark_classes(self, cids) -> None:
+        """Before a writer writes records into these classes: each entry's `related` says the class may hold
+        them (FORMAT.md section 4). No lock: a store of 1, skipped when set; it is never cleared."""
+        if not self.enabled:
+            return
+        for cid in cids:
+            off = self.geo.class_entry(cid) + CLS_RELATED
+            if not U32.unpack_from(self.mm, off)[0]:
+                U32.pack_into(self.mm, off, 1)
+
+    def in_class(self, cid: int) -> bool:
+        """May class `cid` hold records? A class that never got one holds no stranded value to search for."""
+        return self.enabled and U32.unpack_from(self.mm, self.geo.class_entry(cid) + CLS_RELATED)[0] != 0
 
     # ---------------------------------------------------------------- the writer
     def write(self, offsets, live_words, rel: np.ndarray) -> np.ndarray:

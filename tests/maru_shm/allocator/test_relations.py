@@ -104,6 +104,32 @@ def test_a_class_searched_whole_is_searched_again_only_after_a_doom(open_store, 
     assert_clean(s)
 
 
+def test_only_a_class_written_with_records_is_searched_whole(open_store):
+    """A class no value with a record went into (MaruStorage's namespace record: 4 KiB, none) is skipped by
+    the whole-class searches for stranded values; a put with records marks its class (`related`, FORMAT.md
+    section 4) before writing them, and from then on the class is searched and what a doom strands is found."""
+    from maru_shm.format import CLS_RELATED, U32
+    s = open_store("32M")
+    plain = [f"p-{i}" for i in range(4)]
+    for k in plain:
+        assert s.put(k, make_value(k, 1, 64 * KiB))
+    alloc = s.att.alloc
+    info = alloc.head_of(s.reader.lookup(key_digest(plain[0])).offset)[1]
+    related = lambda: U32.unpack_from(s.mm, s.geo.class_entry(info.cid) + CLS_RELATED)[0]  # noqa: E731
+    searched = []
+    search = alloc.clock._stranded_anywhere
+    alloc.clock._stranded_anywhere = lambda *a: searched.append(a[0].cid) or search(*a)
+    s.doom_segment(5)
+    assert related() == 0 and not alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    assert alloc.reclaim_stranded() == 0 and info.cid not in searched
+    keys = _put_chain(s, "c", 6, 64 * KiB, True, group=5)  # same class, with records: marked
+    assert related() == 1 and alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    s.doom_segment(5)
+    assert alloc.reclaim_stranded() == 6 and info.cid in searched
+    assert s.batch_exists(keys) == [False] * 6 and s.batch_exists(plain) == [True] * 4
+    assert_clean(s)
+
+
 def test_stranded_rules():
     """The rule of section 6a on a scratch ring: group dooms at or below the depth, parent dooms at or below the
     branch point, only dooms pushed at or after the record's birth, TRAILING dooms the whole segment."""
