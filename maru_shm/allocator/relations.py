@@ -73,7 +73,8 @@ class Relations:
     # ---------------------------------------------------------------- which classes may hold records
     def mark_classes(self, cids) -> None:
         """Before a writer writes records into these classes: each entry's `related` says the class may hold
-        them (FORMAT.md section 4). No lock: a store of 1, skipped when set; it is never cleared."""
+        them (FORMAT.md section 4). No lock: a store of 1, skipped when set; only a repair clearing the entry
+        clears it."""
         if not self.enabled:
             return
         for cid in cids:

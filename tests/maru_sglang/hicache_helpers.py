@@ -381,9 +381,7 @@ def create_hybrid_maru(pool: str, anchor, pools: dict, *, mla: bool, size="64M",
 
     cfg = storage_config(extra_config(pool, size, **(maru or {})), mla=mla, tp_rank=tp_rank, tp_size=tp_size,
                          model=model)
-    backend = attach_hybrid(StorageBackendFactory.create_backend("dynamic", cfg, anchor), anchor, pools)
-    backend.test_config = cfg
-    return backend
+    return attach_hybrid(StorageBackendFactory.create_backend("dynamic", cfg, anchor), anchor, pools)
 
 
 def create_hybrid_file(directory: str, anchor, pools: dict, *, mla: bool, tp_rank: int = 0, tp_size: int = 1,
@@ -393,9 +391,7 @@ def create_hybrid_file(directory: str, anchor, pools: dict, *, mla: bool, tp_ran
 
     os.makedirs(directory, exist_ok=True)
     cfg = storage_config({"file_storage_path": directory}, mla=mla, tp_rank=tp_rank, tp_size=tp_size, model=model)
-    backend = attach_hybrid(StorageBackendFactory.create_backend("file", cfg, anchor), anchor, pools)
-    backend.test_config = cfg
-    return backend
+    return attach_hybrid(StorageBackendFactory.create_backend("file", cfg, anchor), anchor, pools)
 
 
 ONE_RANK = dict(tp_rank=0, tp_size=1, attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1, pp_rank=0,
