@@ -91,10 +91,10 @@ class Twin:
         group = hh.host_pool_group(self.anchor, self.pools)
         os.makedirs(file_dir, exist_ok=True)
         model = hh.DEEPSEEK if mla else hh.LLAMA
-        self.ctrl = {}
-        self.ctrl["maru"] = hh.hybrid_controller(device, group, "dynamic", hh.extra_config(pool_path, size, **(maru or {})),
-                                                 model=model)
-        self.ctrl["file"] = hh.hybrid_controller(device, group, "file", {"file_storage_path": file_dir}, model=model)
+        extra = {"maru": ("dynamic", hh.extra_config(pool_path, size, **(maru or {}))),
+                 "file": ("file", {"file_storage_path": file_dir})}
+        self.ctrl = {side: hh.hybrid_controller(device, group, kind, cfg, model=model)
+                     for side, (kind, cfg) in extra.items()}
         self.maru, self.file = self.ctrl["maru"].storage_backend, self.ctrl["file"].storage_backend
         self.log: list[str] = []
 
