@@ -28,6 +28,10 @@ from .reserve import Reserver
 from .slabmover import SlabMover
 from .slabtable import SlabTable
 
+# A reclaim frees what the dooms strand, and each value it frees dooms its segment's descendants in turn: it
+# repeats while its last round pushed dooms, at most this many rounds (a conversation's turns chain this deep).
+RECLAIM_ROUNDS = 8
+
 
 class Allocator:
     def __init__(self, host: AllocatorHost):
@@ -116,11 +120,15 @@ class Allocator:
         evictions (which take stranded values first)."""
         freed = 0
         nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
-        for info in self.class_table.classes:
-            if info is None or not self.clock.searchable(info, int(nslabs[info.cid])):
-                continue
-            with self.locks.class_lock(info.cid):
-                freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)
+        for _ in range(RECLAIM_ROUNDS):
+            cursor = self.relations.cursor()
+            for info in self.class_table.classes:
+                if info is None or not self.clock.searchable(info, int(nslabs[info.cid])):
+                    continue
+                with self.locks.class_lock(info.cid):
+                    freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)
+            if self.relations.cursor() == cursor:
+                break
         return freed
 
     def evict_blocks(self, info: ClassInfo, m: int) -> int:

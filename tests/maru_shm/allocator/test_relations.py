@@ -104,6 +104,36 @@ def test_a_class_searched_whole_is_searched_again_only_after_a_doom(open_store, 
     assert_clean(s)
 
 
+def test_one_reclaim_frees_a_doomed_segment_and_all_its_descendants(open_store):
+    """A conversation stored turn by turn is a chain of segments. Dooming its first turn strands the second;
+    freeing the second dooms the third, and so on: one reclaim follows the chain to its end (each round
+    matches the dooms the last one pushed), and spares a turn that branched off before the doomed page."""
+    s = open_store("32M")
+    turns = [_put_chain(s, "t0", 6, 64 * KiB, True, group=1)]
+    for t in range(1, 6):
+        turns.append(_put_chain(s, f"t{t}", 3, 64 * KiB, True, group=t + 1, parent=t, branch=2 if t > 1 else 5))
+    early = _put_chain(s, "early", 3, 64 * KiB, True, group=50, parent=1, branch=1)  # branches off at page 1
+    other = _put_chain(s, "other", 4, 64 * KiB, True, group=60)
+    alloc = s.att.alloc
+    info = alloc.head_of(s.reader.lookup(key_digest(turns[0][0])).offset)[1]
+    rows, valid = alloc.relations.of(*_records_at(s, turns[0][4:5]))
+    assert valid.all()
+    alloc.relations.doom(rows, np.zeros(1, dtype=bool))  # page 4 of the first turn was evicted
+    assert alloc.reclaim_stranded() == 2 + 5 * 3
+    assert s.batch_exists(turns[0]) == [True] * 4 + [False] * 2
+    assert not any(any(s.batch_exists(t)) for t in turns[1:])
+    assert s.batch_exists(early) == [True] * 3 and s.batch_exists(other) == [True] * 4
+    assert alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    assert_clean(s)
+
+
+def _records_at(s, keys):
+    """(granules, LIVE words) of the blocks holding these keys: what `Relations.of` reads."""
+    found = [s.reader.lookup(key_digest(k)) for k in keys]
+    g = np.array([f.offset >> s.att.alloc.relations.shift for f in found], dtype=np.int64)
+    return g, s.att.alloc.metas.meta_q[g][:, 0]
+
+
 def test_only_a_class_written_with_records_is_searched_whole(open_store):
     """A class no value with a record went into (MaruStorage's namespace record: 4 KiB, none) is skipped by
     the whole-class searches for stranded values; a put with records marks its class (`related`, FORMAT.md
