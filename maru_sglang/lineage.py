@@ -10,8 +10,9 @@ section 6a); this module writes them:
   before the call's as `extra_info.prefix_keys`: the segment's parent is the one holding the last of them,
   and its branch point that page's position there, both read from that page's own record. A call without
   prefix keys whose first pages are stored already (a hybrid model's system prompt, sent again by every
-  conversation) takes those pages as its prefix. A parent that is no longer stored makes the new segment
-  stranded at birth: it is stored, and doomed at once (it can serve no prefix hit).
+  conversation) takes those pages as its prefix. A parent that is no longer stored, or that a doom has
+  stranded, makes the new segment stranded at birth: it is stored, and doomed at once (it can serve no
+  prefix hit).
 - The group is a hash of the last prefix key and the segment's first key, so every pool's pages of one
   request (v1 KV pages, v2 pages under the same keys) share it, and two continuations of one prefix do not.
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole

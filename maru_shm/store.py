@@ -453,8 +453,8 @@ class Store:
 
     @_entry
     def relation_of(self, digest: bytes) -> tuple[int, int] | None:
-        """(segment group, position) of the value under `digest` (FORMAT.md section 6a); None if absent,
-        (0, 0) if it was stored without a relation record."""
+        """(segment group, position) of the value under `digest` (FORMAT.md section 6a); None if absent or
+        stranded by a doom (a segment continuing it is stranded at birth), (0, 0) if it has no relation record."""
         r = resolve(self.att, digest_array([digest]), full=False)
         if not r.ok[0]:
             return None

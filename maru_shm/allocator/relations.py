@@ -103,12 +103,18 @@ class Relations:
         self.records[g] = rows
         return g
 
-    def record_of(self, offset: int, word: int) -> tuple[int, int]:
-        """(group, position) of the block at this data offset for the lifetime `word`; (0, 0) if none."""
+    def record_of(self, offset: int, word: int) -> tuple[int, int] | None:
+        """(group, position) of the block at this data offset for the lifetime `word`; (0, 0) if none; None if a
+        doom strands it (it can no longer be a hit, and neither can what continues it)."""
         if not self.enabled or not 0 <= offset < self.geo.data_bytes:
             return 0, 0
         rows, valid = self.of(np.array([offset >> self.shift]), np.array([word], dtype=np.uint64))
-        return (int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX) if valid[0] else (0, 0)
+        if not valid[0]:
+            return 0, 0
+        by_group, by_parent = self.stranded(rows, valid)
+        if by_group[0] or by_parent[0]:
+            return None
+        return int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX
 
     # ---------------------------------------------------------------- eviction
     def of(self, g: np.ndarray, words: np.ndarray):

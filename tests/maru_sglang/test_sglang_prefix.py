@@ -53,6 +53,27 @@ def test_a_suffix_links_to_its_prefix(make_instance):
     assert valid.all() and set(rows["parent"].tolist()) == {g_head} and set(rows["branch"].tolist()) == {7}
 
 
+def test_a_suffix_of_a_stranded_prefix_is_stranded_at_birth(make_instance):
+    """A prefix still stored but stranded (a doom covers it: eviction takes it first) serves no hit, and neither
+    can a suffix stored after it: the suffix is doomed at birth, as if its prefix were gone."""
+    backend, head, tail = _head_and_tail(make_instance, 1)
+    st, ks = backend.store, backend.keyspace
+    rel = st.att.alloc.relations
+
+    def stranded(keys):
+        found = st.resolve(ks.digests(keys))
+        rows, valid = rel.of(found.offsets.astype("int64") >> rel.shift, found.words)
+        by_group, by_parent = rel.stranded(rows, valid)
+        return (by_group | by_parent).tolist()
+    assert not any(stranded(tail))
+    st.doom_segment(st.relation_of(ks.digest(head[0]))[0])
+    assert st.relation_of(ks.digest(head[5])) is None
+    idx = page_indices(backend.mem_pool_host, 0, 4)
+    later = prompt_keys(4, "after-the-doom")
+    assert all(backend.batch_set_v1(later, idx, _info(head[:6])))
+    assert all(stranded(later))
+
+
 def test_a_suffix_whose_prefix_is_gone_goes_first(make_instance, pool_path):
     """Pages stored after a prefix that is no longer in the pool can serve no prefix hit: the pool takes them
     before any page that can, even just read. Without prefix eviction the plain CLOCK keeps them (their ref bit)

@@ -222,6 +222,9 @@ def test_a_relation_record_names_its_lifetime(open_store):
     assert s.relation_of(key_digest(keys[2])) == (0, 0)
     assert s.relation_of(key_digest("absent")) is None
     assert RELATION_DTYPE.itemsize == 16
+    s.doom_segment(42)
+    assert s.relation_of(key_digest(keys[1])) is None  # stranded: nothing continuing it can be a hit
+    assert s.relation_of(key_digest(keys[2])) == (0, 0)  # the new lifetime has no record the doom could strand
 
 
 def test_a_pool_made_without_relations_still_works(open_store):
