@@ -25,7 +25,10 @@ from hicache_helpers import digests, page_bytes, page_indices, prompt_keys  # no
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(mc.unavailable() is not None, reason=str(mc.unavailable()))]
 
-STARTUP_BOUND_S = 20.0  # MooncakeStore's own constructor blocks ~90 s with the master down
+# A liveness bound, not a speed figure: MooncakeStore's own constructor blocks ~90 s with the master down, and a
+# backend that waited for it would pass this bound by far; a child's start under a loaded 2-core CI run (its torch
+# and SGLang imports) took 22.9 s, so the margin below the 90 s is what the bound keeps.
+STARTUP_BOUND_S = 60.0
 
 
 @pytest.fixture
