@@ -113,8 +113,11 @@ class SlabMover:
         The LIVE blocks of all slabs are unpublished in one round of their shard locks
         (host.unpublish_many), not one lock round per block. A slab one of whose blocks a live process
         claimed meanwhile is not freed (the window then stays short of free units: the caller looks for
-        a free run anyway).
+        a free run anyway). A claim shows as an owner, or, once the claimant has kept the block, reused it
+        without a class lock, published it again and cleared its owner, only as a word that moved on
+        since the words were read before the round: either keeps the slab.
         """
+        before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths = self._live_blocks(slabs)
         gone = []
         if live:
@@ -126,8 +129,8 @@ class SlabMover:
         if evicted and self.relations.enabled:
             self._doom([(off, word) for (_, off, word), g in zip(live, gone) if g])
         moved = 0
-        for h, info in slabs:
-            if self.slab_evictable(h, info):
+        for (h, info), words in zip(slabs, before):
+            if self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
             else:
@@ -155,6 +158,10 @@ class SlabMover:
                     lengths.append(length)
         return live, lengths
 
+    def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
+        """The granules where the blocks of slab h start (their block metas)."""
+        return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
+
     def _free_unpublished(self, h: int, info: ClassInfo, live, gone) -> None:
         """While we unpublished, a live process claimed a block of slab h first (it replaced or deleted the
         block's entry under the shard lock): that block is its own now, and it may keep it for reuse
@@ -171,7 +178,7 @@ class SlabMover:
         """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap
         and free count need no upkeep: the slab leaves the class and is reformatted on reuse."""
         slabs, geo = self.slabs, self.slabs.geo
-        g = (h * geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
+        g = self._granules(h, info)
         busy = (self.metas.meta_words[g] & np.uint64(3)) != FREE
         if busy.any():
             self.metas.free_many(g[busy])

@@ -540,6 +540,49 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     assert s.check().ok
 
 
+def test_a_slab_move_leaves_a_slab_whose_claimed_block_was_reused_before_its_recheck(open_store, make_value):
+    """As above, but the claimant gets further before the move re-checks its slabs: it keeps the block,
+    reuses it for its next put of the class (no class lock: a kept block is its own), publishes that
+    value and clears its owner. The re-check then finds no owned block; only the word, moved on by the
+    reuse, shows that the block is not the one the move listed and unpublished. Returning the slab would
+    free a published block and reformat its units under its entry (seen with threads sharing one Store:
+    `check` reported an entry whose offset was no block start of the new class)."""
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE, UNIT_HEAD, U64
+    s = open_store("16M")
+    size = 20 * KiB
+    s.declare_size(size)
+    info, n = _fill_one_class(s, size)
+    h = _slab_of(s, "f0")
+    victims = [f"f{i}" for i in range(n) if _slab_of(s, f"f{i}") == h]
+    claimed = victims[0]
+    d = key_digest(claimed)
+    word, off = s.index.find(d)
+    real = s.alloc.host.unpublish_many
+    value = make_value("new", 1, size)
+
+    def claim_then_reuse(halves, offsets, words):
+        sh = s.index.shard_of(d)
+        with s.locks.hold(SHARD_LOCK_BASE + sh):  # the claimant's overwrite replaces the entry first
+            s.publisher.claim_for_free(off, word)
+            s.index.remove(sh, d)
+        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        gone = real(halves, offsets, words)
+        assert s.put("new", value)  # reuses the kept block: no class lock, published, owner cleared
+        assert s.index.find(key_digest("new")) == (word + 8, off) and s.alloc.metas.owner(s.alloc.meta_off(off)) == 0
+        return gone
+
+    s.alloc.host.unpublish_many = claim_then_reuse
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid), s.locks.hold(LOCK_POOL):
+        s.alloc.mover.evict_slabs([(h, info)])
+    s.alloc.host.unpublish_many = real
+    assert U32.unpack_from(s.mm, s.geo.slab_entry(h))[0] == UNIT_HEAD, "the slab stays in its class"
+    assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word + 8, "the reused block is untouched"
+    assert s.get("new") == value
+    assert all(s.get(k) is None for k in victims)
+    assert s.stats()["slab_moves"] == 0
+    assert s.check().ok
+
+
 def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store, make_value):
     """Class repair picks LIVE blocks without owner, asks the index which are still published, and frees
     the rest. A live process that overwrote one of them meanwhile claimed it (its entry replaced under the
