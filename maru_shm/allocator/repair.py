@@ -60,8 +60,9 @@ class Repairer:
         depends on it. Holding CLASS[cid], no block of the class changes between FREE and not FREE
         meanwhile. A LIVE block can still become owned: a live process that replaced or deleted its
         entry (under the shard lock, before the index was asked) claimed it, and may keep it and reuse it
-        without this lock. So the owner is read again just before a block is freed: a block a live
-        process owns is its own to settle, and stays used.
+        without this lock. So the owner and the word are read again just before a block is freed: a block
+        a live process owns is its own to settle, and one whose word moved on was reused by its claimant
+        (maybe published again, its owner already cleared): both stay used.
         """
         info = self.class_table.info(cid)
         if info is None:
@@ -80,10 +81,11 @@ class Repairer:
         self.host.count(repairs=1, orphans_freed=freed)
         return freed
 
-    def _doomed_blocks(self, info, heads: list[int]) -> tuple[set[int], set[int]]:
-        """(blocks to free unless a live process owns them by then, damaged blocks freed whoever owns them)."""
+    def _doomed_blocks(self, info, heads: list[int]) -> tuple[dict[int, int], set[int]]:
+        """(offset -> word of the blocks to free unless a live process owns them by then or their word moved
+        on, damaged blocks freed whoever owns them)."""
         unit = self.slabs.geo.unit_size
-        doomed: set[int] = set()
+        doomed: dict[int, int] = {}
         damaged: set[int] = set()
         ask = []  # LIVE blocks kept only if indexed: (digest, offset, word, dead owner to clear or 0)
         for h in heads:
@@ -98,16 +100,16 @@ class Repairer:
                 elif owner and self.host.slot_alive(owner):
                     continue  # a live writer's block (in flight or being unpublished): it settles it
                 elif state == RESERVED:
-                    doomed.add(off)
+                    doomed[off] = word
                 else:
                     ask.append((d, off, word, owner))
         if ask:
-            for (_, off, _, _), indexed in zip(ask, self.host.indexed_many(ask)):
+            for (_, off, word, _), indexed in zip(ask, self.host.indexed_many(ask)):
                 if not indexed:
-                    doomed.add(off)
+                    doomed[off] = word
         return doomed, damaged
 
-    def _rebuild_slab(self, h: int, info, doomed: set, damaged: set) -> tuple[int, int]:
+    def _rebuild_slab(self, h: int, info, doomed: dict, damaged: set) -> tuple[int, int]:
         """Free slab h's doomed blocks and derive its bitmap, counts and list membership: (freed, used)."""
         slabs, metas = self.slabs, self.metas
         slabs.unlink_all(info.cid, h)
@@ -116,9 +118,10 @@ class Repairer:
         for i in range(info.bps):
             off = h * slabs.geo.unit_size + i * info.block
             m = metas.meta_off(off)
-            if metas.word(m) & 3 == FREE:
+            word = metas.word(m)
+            if word & 3 == FREE:
                 continue
-            if off in damaged or (off in doomed and not self.release.owned_by_live(m)):
+            if off in damaged or (doomed.get(off) == word and not self.release.owned_by_live(m)):
                 metas.free(m)
                 freed += 1
                 continue
@@ -135,7 +138,9 @@ class Repairer:
         """Reaping: settle blocks whose owner slot died. Returns blocks freed.
 
         RESERVED blocks are freed; a LIVE block is kept (its owner cleared, under the shard lock that pins
-        its entry) if the index points at it, else freed.
+        its entry) if the index points at it, else freed if it is still the dead slot's with the word read
+        first: a live process that replaced or deleted its entry before the index was asked claimed it (and
+        may have reused it and published it again since, its owner cleared): it is that process's to settle.
         """
         by_class: dict[int, list[int]] = {}
         for off in blocks:
@@ -150,7 +155,7 @@ class Repairer:
 
     def _resolve_class(self, offs: list[int], dead_owner: int) -> int:
         metas = self.metas
-        settle = []  # (offset, block location, keep)
+        settle = []  # (offset, block location, word, keep)
         ask, where = [], {}
         for off in offs:
             loc = self.slabs.block_index(off)
@@ -163,13 +168,14 @@ class Repairer:
                 ask.append((d, off, word, dead_owner))
                 where[off] = loc
             else:
-                settle.append((off, loc, False))
+                settle.append((off, loc, word, False))
         if ask:
             kept = self.host.indexed_many(ask)  # clears the owner of the indexed ones
-            settle += [(off, where[off], k) for (_, off, _, _), k in zip(ask, kept)]
+            settle += [(off, where[off], word, k) for (_, off, word, _), k in zip(ask, kept)]
         freed = 0
-        for off, loc, keep in settle:
-            if not keep:
+        for off, loc, word, keep in settle:
+            m = metas.meta_off(off)
+            if not keep and metas.word(m) == word and metas.owner(m) == dead_owner:
                 self.release.free_block(loc[0], loc[1], loc[2], off)
                 freed += 1
             if _cp.ARMED is not None:

@@ -614,3 +614,63 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     assert s.reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
     assert s.put("e", make_value("e", 1, 20_000)) and s.reader.lookup(key_digest("e"))[0] != off
     assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
+
+
+def _claim_and_reuse_before(s, info, key, call):
+    """Wrap `call` (an allocator host method): before it, a live process's overwrite of `key` claims its
+    block and keeps it; after it, its next put of the class ("new") reuses the block, publishes it and
+    clears its owner, all without the class lock. Returns (wrapper, offset and word of the block)."""
+    from maru_shm.format import SHARD_LOCK_BASE
+    d = key_digest(key)
+    word, off = s.index.find(d)
+
+    def wrapper(*args):
+        sh = s.index.shard_of(d)
+        with s.locks.hold(SHARD_LOCK_BASE + sh):
+            s.publisher.claim_for_free(off, word)
+            s.index.remove(sh, d)
+        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        out = call(*args)
+        assert s.put("new", make_value("new", 1, info.block))
+        assert s.index.find(key_digest("new")) == (word + 8, off) and s.alloc.metas.owner(s.alloc.meta_off(off)) == 0
+        return out
+    return wrapper, off, word
+
+
+def test_class_repair_leaves_a_claimed_block_reused_before_it_frees(open_store):
+    """As above, but the claimant has reused the block, published the new value and cleared its owner
+    before repair frees what the index did not name: the owner says nothing then, the word (moved on) does."""
+    from maru_shm.format import CLASS_LOCK_BASE
+    s = open_store("16M")
+    info = s.alloc.class_for(20_000)
+    assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
+    s.alloc.free_kept()  # the spares of the single-key puts: "new" must reuse the claimed block
+    real = s.alloc.host.indexed_many
+    s.alloc.host.indexed_many, off, word = _claim_and_reuse_before(s, info, "a", real)
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert s.alloc.repair_class(info.cid) == 0
+    s.alloc.host.indexed_many = real
+    assert s.get("new") == make_value("new", 1, info.block)
+    assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
+
+
+def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open_store):
+    """A dead process's LIVE block that the index does not name is freed by the reaper, unless a live process
+    claimed it first (its overwrite replaced the entry before the reaper asked the index): then it is that
+    process's, which may already have reused it and published the new value, its owner cleared. The reaper
+    frees only a block still of the dead slot with the word it read."""
+    from maru_shm.format import META_OWNER_OFF, U16
+    s = open_store("16M")
+    info = s.alloc.class_for(20_000)
+    assert s.put("a", make_value("a", 1, 20_000))
+    s.alloc.free_kept()
+    dead = s.procs.owner + 5  # a slot no process holds: its owner is dead
+    assert not s.slot_alive(dead)
+    real = s.alloc.host.indexed_many
+    wrapper, off, word = _claim_and_reuse_before(s, info, "a", real)
+    U16.pack_into(s.mm, s.alloc.meta_off(off) + META_OWNER_OFF, dead)  # it died after publishing, before disowning
+    s.alloc.host.indexed_many = wrapper
+    assert s.alloc.resolve_owned([off], dead) == 0
+    s.alloc.host.indexed_many = real
+    assert s.get("new") == make_value("new", 1, info.block)
+    assert s.check().ok
