@@ -500,30 +500,59 @@ def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, m
     assert s.check().ok
 
 
+def _a_full_slab(s, size: int):
+    """An exact class of `size` filled ("f0", "f1", ...): (its info, the slab holding "f0", that slab's keys)."""
+    s.declare_size(size)
+    info, n = _fill_one_class(s, size)
+    h = _slab_of(s, "f0")
+    return info, h, [f"f{i}" for i in range(n) if _slab_of(s, f"f{i}") == h]
+
+
+def _overwrite_claims(s, info, d, off, word) -> None:
+    """What a live process's overwrite or delete of digest `d` does first: under the shard lock its entry goes
+    (here: removed) and the block at `off` with `word` becomes its claim, which it keeps for its next put of
+    the class (no class lock needed to reuse it)."""
+    from maru_shm.format import SHARD_LOCK_BASE
+    sh = s.index.shard_of(d)
+    with s.locks.hold(SHARD_LOCK_BASE + sh):
+        s.publisher.claim_for_free(off, word)
+        s.index.remove(sh, d)
+    s.alloc.kept.setdefault(info.cid, []).append((off, word))
+
+
+def _claim_and_reuse_before(s, info, key, call):
+    """Wrap `call` (an allocator host method): before it, a live process's overwrite of `key` claims its
+    block and keeps it; after it, its next put of the class ("new") reuses the block, publishes it and
+    clears its owner, all without the class lock. Returns (wrapper, offset and word of the block)."""
+    d = key_digest(key)
+    word, off = s.index.find(d)
+
+    def wrapper(*args):
+        _overwrite_claims(s, info, d, off, word)
+        out = call(*args)
+        assert s.put("new", make_value("new", 1, info.block))
+        assert s.index.find(key_digest("new")) == (word + 8, off) and s.alloc.metas.owner(s.alloc.meta_off(off)) == 0
+        return out
+    return wrapper, off, word
+
+
 def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(open_store, make_value):
     """A slab move checks its slabs, then unpublishes their values under the shard locks. If a live process
     claims one of those blocks in between (its overwrite replaced the entry first) and keeps it for reuse
     without a class lock, freeing the slab would hand that block out twice. The move re-checks after
     unpublishing: the slab stays, the blocks it did unpublish are freed one by one, the claimed one stays
     LIVE and owned, and the process's next put of the class reuses it."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE, UNIT_HEAD, U64
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
-    s.declare_size(size)
-    info, n = _fill_one_class(s, size)
-    h = _slab_of(s, "f0")
-    victims = [f"f{i}" for i in range(n) if _slab_of(s, f"f{i}") == h]
+    info, h, victims = _a_full_slab(s, size)
     claimed = victims[0]
     d = key_digest(claimed)
     off, word = s.index.find(d)[1], s.index.find(d)[0]
     real = s.alloc.host.unpublish_many
 
     def claim_first(halves, offsets, words):  # "another" live process (here: this one) overwrites first
-        sh = s.index.shard_of(d)
-        with s.locks.hold(SHARD_LOCK_BASE + sh):
-            s.publisher.claim_for_free(off, word)
-            s.index.remove(sh, d)
-        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        _overwrite_claims(s, info, d, off, word)
         return real(halves, offsets, words)
 
     s.alloc.host.unpublish_many = claim_first
@@ -547,31 +576,13 @@ def test_a_slab_move_leaves_a_slab_whose_claimed_block_was_reused_before_its_rec
     reuse, shows that the block is not the one the move listed and unpublished. Returning the slab would
     free a published block and reformat its units under its entry (seen with threads sharing one Store:
     `check` reported an entry whose offset was no block start of the new class)."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE, UNIT_HEAD, U64
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
-    s.declare_size(size)
-    info, n = _fill_one_class(s, size)
-    h = _slab_of(s, "f0")
-    victims = [f"f{i}" for i in range(n) if _slab_of(s, f"f{i}") == h]
-    claimed = victims[0]
-    d = key_digest(claimed)
-    word, off = s.index.find(d)
+    info, h, victims = _a_full_slab(s, size)
     real = s.alloc.host.unpublish_many
+    s.alloc.host.unpublish_many, off, word = _claim_and_reuse_before(s, info, victims[0], real)
     value = make_value("new", 1, size)
-
-    def claim_then_reuse(halves, offsets, words):
-        sh = s.index.shard_of(d)
-        with s.locks.hold(SHARD_LOCK_BASE + sh):  # the claimant's overwrite replaces the entry first
-            s.publisher.claim_for_free(off, word)
-            s.index.remove(sh, d)
-        s.alloc.kept.setdefault(info.cid, []).append((off, word))
-        gone = real(halves, offsets, words)
-        assert s.put("new", value)  # reuses the kept block: no class lock, published, owner cleared
-        assert s.index.find(key_digest("new")) == (word + 8, off) and s.alloc.metas.owner(s.alloc.meta_off(off)) == 0
-        return gone
-
-    s.alloc.host.unpublish_many = claim_then_reuse
     with s.locks.hold(CLASS_LOCK_BASE + info.cid), s.locks.hold(LOCK_POOL):
         s.alloc.mover.evict_slabs([(h, info)])
     s.alloc.host.unpublish_many = real
@@ -588,7 +599,7 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     the rest. A live process that overwrote one of them meanwhile claimed it (its entry replaced under the
     shard lock before the index was asked) and may reuse it without the class lock: repair reads the owner
     again before freeing, and leaves it used."""
-    from maru_shm.format import CLASS_LOCK_BASE, SHARD_LOCK_BASE, U64
+    from maru_shm.format import CLASS_LOCK_BASE, U64
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
@@ -597,11 +608,7 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     real = s.alloc.host.indexed_many
 
     def claim_first(ask):
-        sh = s.index.shard_of(d)
-        with s.locks.hold(SHARD_LOCK_BASE + sh):
-            s.publisher.claim_for_free(off, word)
-            s.index.remove(sh, d)
-        s.alloc.kept.setdefault(info.cid, []).append((off, word))
+        _overwrite_claims(s, info, d, off, word)
         return real(ask)
 
     s.alloc.host.indexed_many = claim_first
@@ -614,27 +621,6 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     assert s.reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
     assert s.put("e", make_value("e", 1, 20_000)) and s.reader.lookup(key_digest("e"))[0] != off
     assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
-
-
-def _claim_and_reuse_before(s, info, key, call):
-    """Wrap `call` (an allocator host method): before it, a live process's overwrite of `key` claims its
-    block and keeps it; after it, its next put of the class ("new") reuses the block, publishes it and
-    clears its owner, all without the class lock. Returns (wrapper, offset and word of the block)."""
-    from maru_shm.format import SHARD_LOCK_BASE
-    d = key_digest(key)
-    word, off = s.index.find(d)
-
-    def wrapper(*args):
-        sh = s.index.shard_of(d)
-        with s.locks.hold(SHARD_LOCK_BASE + sh):
-            s.publisher.claim_for_free(off, word)
-            s.index.remove(sh, d)
-        s.alloc.kept.setdefault(info.cid, []).append((off, word))
-        out = call(*args)
-        assert s.put("new", make_value("new", 1, info.block))
-        assert s.index.find(key_digest("new")) == (word + 8, off) and s.alloc.metas.owner(s.alloc.meta_off(off)) == 0
-        return out
-    return wrapper, off, word
 
 
 def test_class_repair_leaves_a_claimed_block_reused_before_it_frees(open_store):
