@@ -57,10 +57,11 @@ class Relations:
         if self.enabled:
             self.records = np.ndarray((geo.n_granules,), dtype=RELATION_DTYPE, buffer=mm, offset=geo.off_relations)
             self.ring = np.ndarray((DOOM_ENTRIES,), dtype=DOOM_DTYPE, buffer=mm, offset=geo.off_dooms)
+            self.ring_words = self.ring.view(np.uint64)  # the same entries as words: copied and filtered fast
         self.shift = geo.granule.bit_length() - 1
 
     def release_views(self) -> None:
-        self.records = self.ring = None
+        self.records = self.ring = self.ring_words = None
 
     def doomed_any(self) -> bool:
         """Has any doom been pushed in this pool (can anything be stranded)?"""
@@ -140,10 +141,10 @@ class Relations:
         ring behind), as a copy: other processes push meanwhile."""
         new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
         if new is not None and new < DOOM_ENTRIES:
-            ring = self.ring[np.arange(since, since + new) % DOOM_ENTRIES]
+            words = self.ring_words[np.arange(since, since + new) % DOOM_ENTRIES]
         else:
-            ring = self.ring.copy()
-        return ring[ring["group"] != 0]
+            words = self.ring_words.copy()
+        return words[(words & np.uint64(0xFFFF_FFFF)) != 0].view(DOOM_DTYPE)
 
     def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
         """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
@@ -193,11 +194,12 @@ class Relations:
 def _covered(groups, depth, born, valid, ring) -> np.ndarray:
     """Per value: does a ring entry of its group, pushed at or after its birth, start at or below `depth`?"""
     out = np.zeros(len(groups), dtype=bool)
-    hit = valid & np.isin(groups, ring["group"])
-    if not hit.any():
+    if not valid.any():
         return out
-    k = np.flatnonzero(hit)
-    near = ring[np.isin(ring["group"], groups[k])]
+    near = ring[np.isin(ring["group"], groups[valid])]  # entries naming a candidate (few candidates: a loop)
+    if not len(near):
+        return out
+    k = np.flatnonzero(valid & np.isin(groups, near["group"]))
     same = groups[k][:, None] == near["group"][None, :]
     low = near["from"][None, :].astype(np.int64) <= depth[k][:, None]
     after = ((near["seq"][None, :].astype(np.int64) - born[k][:, None].astype(np.int64)) & 0xFFFF) < _HALF
