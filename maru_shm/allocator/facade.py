@@ -122,8 +122,9 @@ class Allocator:
         nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
         for _ in range(RECLAIM_ROUNDS):
             cursor = self.relations.cursor()
-            for info in self.class_table.classes:
-                if info is None or not self.clock.searchable(info, int(nslabs[info.cid])):
+            for cid in self.relations.related_classes().tolist():
+                info = self.class_table.info(cid)
+                if info is None or not self.clock.searchable(info, int(nslabs[cid])):
                     continue
                 with self.locks.class_lock(info.cid):
                     freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import CLS_RELATED, DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
+from ..format import CLASS_ENTRY, CLS_RELATED, DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
 
 TRAILING = 1 << 15   # `depth` flag: losing this value strands its whole segment
 DEPTH_MAX = TRAILING - 1  # positions saturate here (a segment is one set call: SGLang sends 128 pages)
@@ -32,6 +32,7 @@ RELATION_DTYPE = np.dtype([("group", "<u4"), ("parent", "<u4"), ("depth", "<u2")
                            ("tag", "<u2"), ("born", "<u2")])  # FORMAT.md section 6a, 16 bytes
 DOOM_DTYPE = np.dtype([("group", "<u4"), ("from", "<u2"), ("seq", "<u2")])  # 8 bytes
 _HALF = 1 << 15
+NAMED_LOOP = 8  # up to this many doomed groups, `named` compares each one; more, np.isin sorts
 
 
 def chain(n: int, group: int, parent: int = 0, branch: int = 0, trailing: bool = False,
@@ -56,12 +57,13 @@ class Relations:
         self.enabled = geo.has_relations
         if self.enabled:
             self.records = np.ndarray((geo.n_granules,), dtype=RELATION_DTYPE, buffer=mm, offset=geo.off_relations)
+            self.links = self.records.view("<u8")[::2]  # group | parent << 32: a record's first word
             self.ring = np.ndarray((DOOM_ENTRIES,), dtype=DOOM_DTYPE, buffer=mm, offset=geo.off_dooms)
             self.ring_words = self.ring.view(np.uint64)  # the same entries as words: copied and filtered fast
         self.shift = geo.granule.bit_length() - 1
 
     def release_views(self) -> None:
-        self.records = self.ring = self.ring_words = None
+        self.records = self.links = self.ring = self.ring_words = None
 
     def doomed_any(self) -> bool:
         """Has any doom been pushed in this pool (can anything be stranded)?"""
@@ -82,6 +84,14 @@ class Relations:
             off = self.geo.class_entry(cid) + CLS_RELATED
             if not U32.unpack_from(self.mm, off)[0]:
                 U32.pack_into(self.mm, off, 1)
+
+    def related_classes(self) -> np.ndarray:
+        """Ids of the classes whose `related` is set (read without locks, as `in_class`)."""
+        if not self.enabled:
+            return np.zeros(0, dtype=np.int64)
+        col = np.ndarray((self.geo.class_cap,), dtype="<u4", buffer=self.mm,
+                         offset=self.geo.off_classes + CLS_RELATED, strides=(CLASS_ENTRY,))
+        return np.flatnonzero(col)
 
     def in_class(self, cid: int) -> bool:
         """May class `cid` hold records? A class that never got one holds no stranded value to search for."""
@@ -132,9 +142,15 @@ class Relations:
         ring = self._entries(since)
         if not len(ring):
             return np.zeros(len(g), dtype=bool)
-        rows = self.records[g]
-        named = np.unique(ring["group"])
-        return np.isin(rows["group"], named) | np.isin(rows["parent"], named)
+        links = self.links[g]  # one word a record: gathering it beats gathering the structured rows
+        groups, parents = links & np.uint64(0xFFFF_FFFF), links >> np.uint64(32)
+        named = np.unique(ring["group"]).astype(np.uint64)
+        if len(named) > NAMED_LOOP:
+            return np.isin(groups, named) | np.isin(parents, named)
+        out = np.zeros(len(g), dtype=bool)
+        for group in named:  # the usual case: the few dooms pushed since the last search
+            out |= (groups == group) | (parents == group)
+        return out
 
     def _entries(self, since: int | None) -> np.ndarray:
         """The ring's entries pushed from cursor `since` on (all of them without it, or once it is a whole
