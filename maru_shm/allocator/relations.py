@@ -57,7 +57,7 @@ class Relations:
         self.enabled = geo.has_relations
         if self.enabled:
             self.records = np.ndarray((geo.n_granules,), dtype=RELATION_DTYPE, buffer=mm, offset=geo.off_relations)
-            self.links = self.records.view("<u8")[::2]  # group | parent << 32: a record's first word
+            self.links = self.records.view("<u8")[::2]  # first word: group | parent << 32 (RELATION_DTYPE, LE)
             self.ring = np.ndarray((DOOM_ENTRIES,), dtype=DOOM_DTYPE, buffer=mm, offset=geo.off_dooms)
             self.ring_words = self.ring.view(np.uint64)  # the same entries as words: copied and filtered fast
         self.shift = geo.granule.bit_length() - 1
