@@ -195,6 +195,27 @@ def test_stranded_rules():
         R.DOOM_CURSOR_OFF = cursor_off
 
 
+def test_named_finds_exactly_the_records_a_doom_names(open_store):
+    """The whole-class search's first cut (`named`, which reads each record's group and parent as one word)
+    marks exactly the records whose group or parent a doom pushed since `since` names: with a few new dooms
+    (compared one by one) and with many (np.isin), against the same rule on the structured records."""
+    from maru_shm.allocator.relations import NAMED_LOOP
+    s = open_store("16M")
+    rel = s.att.alloc.relations
+    rnd = np.random.default_rng(4)
+    g = rnd.choice(s.geo.n_granules, 3000, replace=False)
+    rel.records["group"][g] = rnd.integers(1, 40, len(g))
+    rel.records["parent"][g] = rnd.integers(0, 40, len(g))
+    for new in (1, NAMED_LOOP, NAMED_LOOP + 5, 30):
+        since = rel.cursor()
+        for group in rnd.choice(np.arange(1, 40), new, replace=False).tolist():
+            s.doom_segment(group)
+        doomed = rel.ring["group"][np.arange(since, rel.cursor()) % len(rel.ring)]
+        rows = rel.records[g]
+        want = np.isin(rows["group"], doomed) | np.isin(rows["parent"], doomed)
+        assert want.any() and (rel.named(g, since) == want).all(), new
+
+
 def test_damaged_records_and_ring_cost_hints_never_bytes(open_store):
     """Random bytes over every relation record and the doom ring, then more churn: every value read is its
     own, every put succeeds, the pool checks clean."""
