@@ -60,10 +60,12 @@ class Relations:
             self.links = self.records.view("<u8")[::2]  # first word: group | parent << 32 (RELATION_DTYPE, LE)
             self.ring = np.ndarray((DOOM_ENTRIES,), dtype=DOOM_DTYPE, buffer=mm, offset=geo.off_dooms)
             self.ring_words = self.ring.view(np.uint64)  # the same entries as words: copied and filtered fast
+            self.related = np.ndarray((geo.class_cap,), dtype="<u4", buffer=mm,  # each class entry's `related`
+                                      offset=geo.off_classes + CLS_RELATED, strides=(CLASS_ENTRY,))
         self.shift = geo.granule.bit_length() - 1
 
     def release_views(self) -> None:
-        self.records = self.links = self.ring = self.ring_words = None
+        self.records = self.links = self.ring = self.ring_words = self.related = None
 
     def doomed_any(self) -> bool:
         """Has any doom been pushed in this pool (can anything be stranded)?"""
@@ -81,21 +83,16 @@ class Relations:
         if not self.enabled:
             return
         for cid in cids:
-            off = self.geo.class_entry(cid) + CLS_RELATED
-            if not U32.unpack_from(self.mm, off)[0]:
-                U32.pack_into(self.mm, off, 1)
+            if not self.related[cid]:
+                self.related[cid] = 1
 
     def related_classes(self) -> np.ndarray:
         """Ids of the classes whose `related` is set (read without locks, as `in_class`)."""
-        if not self.enabled:
-            return np.zeros(0, dtype=np.int64)
-        col = np.ndarray((self.geo.class_cap,), dtype="<u4", buffer=self.mm,
-                         offset=self.geo.off_classes + CLS_RELATED, strides=(CLASS_ENTRY,))
-        return np.flatnonzero(col)
+        return np.flatnonzero(self.related) if self.enabled else np.zeros(0, dtype=np.int64)
 
     def in_class(self, cid: int) -> bool:
         """May class `cid` hold records? A class that never got one holds no stranded value to search for."""
-        return self.enabled and U32.unpack_from(self.mm, self.geo.class_entry(cid) + CLS_RELATED)[0] != 0
+        return self.enabled and bool(self.related[cid])
 
     # ---------------------------------------------------------------- the writer
     def write(self, offsets, live_words, rel: np.ndarray) -> np.ndarray:

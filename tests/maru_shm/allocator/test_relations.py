@@ -166,6 +166,7 @@ def test_stranded_rules():
     class Geo:
         has_relations, n_granules, granule, data_bytes = True, 8, 4096, 8 * 4096
         off_relations, off_dooms = 0, 8 * 16
+        class_cap, off_classes = 0, 0  # no class table in the scratch buffer
     buf = bytearray(8 * 16 + 4096 * 8 + 4096)
     import maru_shm.allocator.relations as R
     cursor_off = R.DOOM_CURSOR_OFF
