@@ -366,6 +366,8 @@ def _figures(r: dict) -> list:
 def bench_prefixtree(args) -> dict:
     from .prefixtree_hybrid import hybrid_model
     progress = progress_of(args)
-    plain = prefixtree(progress=lambda f, note="": progress(f / 2, note))
-    hybrid = prefixtree(model=hybrid_model(), progress=lambda f, note="": progress(0.5 + f / 2, note))
-    return {"scenario": NAME, "models": {"plain": plain, "hybrid": hybrid}, "figures": _figures(plain) + _figures(hybrid)}
+    seed = getattr(args, "prefixtree_seed", 11)
+    plain = prefixtree(seed, progress=lambda f, note="": progress(f / 2, note))
+    hybrid = prefixtree(seed, model=hybrid_model(), progress=lambda f, note="": progress(0.5 + f / 2, note))
+    return {"scenario": NAME, "seed": seed, "models": {"plain": plain, "hybrid": hybrid},
+            "figures": _figures(plain) + _figures(hybrid)}

@@ -64,6 +64,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="pool sizes, comma separated (default 256M,512M,1G)")
     g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
     g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
+    g = p.add_argument_group("prefixtree")
+    g.add_argument("--prefixtree-seed", type=int, default=11,
+                   help="seed of the conversation trace (default 11; the figures move with it, see BENCHMARKS.md)")
     g = p.add_argument_group("scaling")
     g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
     g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
