@@ -33,6 +33,7 @@ RELATION_DTYPE = np.dtype([("group", "<u4"), ("parent", "<u4"), ("depth", "<u2")
 DOOM_DTYPE = np.dtype([("group", "<u4"), ("from", "<u2"), ("seq", "<u2")])  # 8 bytes
 _HALF = 1 << 15
 NAMED_LOOP = 8  # up to this many doomed groups, `named` compares each one; more, np.isin sorts
+SCALAR_DOOMS = 256  # up to this many dooms since a record's birth, `record_of` checks them in Python
 
 
 def chain(n: int, group: int, parent: int = 0, branch: int = 0, trailing: bool = False,
@@ -119,10 +120,17 @@ class Relations:
         rows, valid = self.of(np.array([offset >> self.shift]), np.array([word], dtype=np.uint64))
         if not valid[0]:
             return 0, 0
-        by_group, by_parent = self.stranded(rows, valid)
-        if by_group[0] or by_parent[0]:
-            return None
-        return int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX
+        # Only dooms pushed at or after its birth strand a record (`_covered`): read those alone. `born` is
+        # the cursor's low 16 bits, so the dooms since are the cursor's distance from it, mod 2^16.
+        c = self.cursor()
+        since = (c - ((c - int(rows["born"][0])) & 0xFFFF)) & 0xFFFF_FFFF
+        words = self._entry_words(since)
+        if len(words) <= SCALAR_DOOMS:
+            stranded = _one_covered(rows[0], words.tolist())
+        else:
+            by_group, by_parent = self._stranded_by(rows, valid, words.view(DOOM_DTYPE))
+            stranded = bool(by_group[0] or by_parent[0])
+        return None if stranded else (int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX)
 
     # ---------------------------------------------------------------- eviction
     def of(self, g: np.ndarray, words: np.ndarray):
@@ -152,21 +160,28 @@ class Relations:
     def _entries(self, since: int | None) -> np.ndarray:
         """The ring's entries pushed from cursor `since` on (all of them without it, or once it is a whole
         ring behind), as a copy: other processes push meanwhile."""
+        return self._entry_words(since).view(DOOM_DTYPE)
+
+    def _entry_words(self, since: int | None) -> np.ndarray:
+        """`_entries` as u64 words (group | from << 32 | seq << 48, DOOM_DTYPE little-endian)."""
         new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
         if new is not None and new < DOOM_ENTRIES:
             words = self.ring_words[np.arange(since, since + new) % DOOM_ENTRIES]
         else:
             words = self.ring_words.copy()
-        return words[(words & np.uint64(0xFFFF_FFFF)) != 0].view(DOOM_DTYPE)
+        return words[(words & np.uint64(0xFFFF_FFFF)) != 0]
 
     def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
         """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
         cursor), only the dooms pushed from then on (fewer to match when the rest were searched before)."""
-        none = np.zeros(len(rows), dtype=bool)
         if not valid.any():
-            return none, none
-        ring = self._entries(since)
-        if not len(ring):
+            return np.zeros(len(rows), dtype=bool), np.zeros(len(rows), dtype=bool)
+        return self._stranded_by(rows, valid, self._entries(since))
+
+    def _stranded_by(self, rows: np.ndarray, valid: np.ndarray, ring: np.ndarray):
+        """`stranded` against these ring entries."""
+        none = np.zeros(len(rows), dtype=bool)
+        if not valid.any() or not len(ring):
             return none, none
         depth = (rows["depth"] & DEPTH_MAX).astype(np.int64)
         by_group = _covered(rows["group"], depth, rows["born"], valid, ring)
@@ -202,6 +217,20 @@ class Relations:
         entries["group"], entries["from"], entries["seq"] = groups, frm, seq & 0xFFFF
         self.ring[seq % DOOM_ENTRIES] = entries
         U32.pack_into(self.mm, DOOM_CURSOR_OFF, (c + n) & 0xFFFF_FFFF)
+
+
+def _one_covered(row, words: list) -> bool:
+    """`stranded` for one record against a few ring words, in Python (numpy's cost per call would dominate):
+    a doom of its group at or below its depth, or of its parent at or below its branch point, pushed at or
+    after its birth."""
+    group, parent, born = int(row["group"]), int(row["parent"]), int(row["born"])
+    depth, branch = int(row["depth"]) & DEPTH_MAX, int(row["branch"])
+    for w in words:
+        g, frm = w & 0xFFFF_FFFF, (w >> 32) & 0xFFFF
+        if ((g == group and frm <= depth) or (parent and g == parent and frm <= branch)) \
+                and ((w >> 48) - born) & 0xFFFF < _HALF:
+            return True
+    return False
 
 
 def _covered(groups, depth, born, valid, ring) -> np.ndarray:

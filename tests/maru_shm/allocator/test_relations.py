@@ -8,9 +8,11 @@ damaged records or a damaged doom ring cost nothing but hints.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
+import pytest
 
 from maru_shm import RELATION_DTYPE, chain_relations
 from maru_shm.allocator.relations import TRAILING, Relations
@@ -160,19 +162,28 @@ def test_only_a_class_written_with_records_is_searched_whole(open_store):
     assert_clean(s)
 
 
+@contextlib.contextmanager
+def _scratch_relations(n_granules: int = 8):
+    """Relations over a scratch buffer: n_granules records, a doom ring, no class table, no superblock."""
+    class Geo:
+        has_relations, granule, data_bytes = True, 4096, n_granules * 4096
+        off_relations, off_dooms = 0, n_granules * 16
+        class_cap, off_classes = 0, 0
+    Geo.n_granules = n_granules
+    buf = bytearray(n_granules * 16 + 4096 * 8 + 4096)
+    import maru_shm.allocator.relations as R
+    cursor_off = R.DOOM_CURSOR_OFF
+    R.DOOM_CURSOR_OFF = len(buf) - 8  # the cursor at the buffer's end
+    try:
+        yield Relations(memoryview(buf), Geo)
+    finally:
+        R.DOOM_CURSOR_OFF = cursor_off
+
+
 def test_stranded_rules():
     """The rule of section 6a on a scratch ring: group dooms at or below the depth, parent dooms at or below the
     branch point, only dooms pushed at or after the record's birth, TRAILING dooms the whole segment."""
-    class Geo:
-        has_relations, n_granules, granule, data_bytes = True, 8, 4096, 8 * 4096
-        off_relations, off_dooms = 0, 8 * 16
-        class_cap, off_classes = 0, 0  # no class table in the scratch buffer
-    buf = bytearray(8 * 16 + 4096 * 8 + 4096)
-    import maru_shm.allocator.relations as R
-    cursor_off = R.DOOM_CURSOR_OFF
-    R.DOOM_CURSOR_OFF = len(buf) - 8  # the scratch buffer has no superblock: keep the cursor at its end
-    try:
-        rel = Relations(memoryview(buf), Geo)
+    with _scratch_relations() as rel:
         rows = chain_relations(4, group=7, parent=9, branch=5)
         rows["born"] = 0
         valid = np.ones(4, dtype=bool)
@@ -192,8 +203,39 @@ def test_stranded_rules():
         rel.doom(t, np.zeros(1, dtype=bool))  # a trailing page dooms its segment from 0
         g, _ = rel.stranded(chain_relations(3, 11), np.ones(3, dtype=bool))
         assert g.all()
-    finally:
-        R.DOOM_CURSOR_OFF = cursor_off
+
+
+@pytest.mark.parametrize("scalar", [True, False])
+def test_record_of_reads_only_the_dooms_since_birth_and_agrees_with_the_whole_ring(scalar, monkeypatch):
+    """`record_of` checks a record against the dooms pushed since its birth (in Python when they are few, with
+    numpy when many): the same answer as the rule over the whole ring, for records born before, between and
+    after dooms, with few, many and more than a ring of dooms since, over a 16-bit cursor wrap."""
+    import maru_shm.allocator.relations as R
+    monkeypatch.setattr(R, "SCALAR_DOOMS", R.SCALAR_DOOMS if scalar else -1)
+    rnd = np.random.default_rng(7)
+    with _scratch_relations(64) as rel:
+        R.U32.pack_into(rel.mm, R.DOOM_CURSOR_OFF, 0xFFFF_FF00 if scalar else 0xFFF0)  # wraps below
+        checked = stranded = 0
+        for burst in (0, 3, 40, 300, 5000, 12):
+            for _ in range(burst):
+                rel.doom(chain_relations(1, int(rnd.integers(1, 24)), positions=[int(rnd.integers(0, 6))]),
+                         np.zeros(1, dtype=bool))
+            g = rnd.choice(64, 8, replace=False)  # records written now, born at the cursor
+            rows = chain_relations(8, 0, positions=rnd.integers(0, 6, 8))
+            rows["group"], rows["parent"] = rnd.integers(1, 24, 8), rnd.integers(0, 24, 8)
+            rows["branch"] = rnd.integers(0, 6, 8)
+            rel.write((g * 4096).tolist(), np.arange(8, dtype=np.uint64) + 100, rows)
+            for gi in rnd.permutation(64).tolist():
+                recs, valid = rel.of(np.array([gi]), rel.records["tag"][[gi]].astype(np.uint64))
+                if not valid[0]:
+                    continue
+                whole = any(x[0] for x in rel.stranded(recs, valid))
+                got = rel.record_of(gi * 4096, int(recs["tag"][0]))
+                assert (got is None) == whole, (burst, gi)
+                assert got is None or got == (int(recs["group"][0]), int(recs["depth"][0]) & R.DEPTH_MAX)
+                checked += 1
+                stranded += whole
+        assert checked > 100 and 0 < stranded < checked
 
 
 def test_named_finds_exactly_the_records_a_doom_names(open_store):
