@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tools.benchmarks.prefixtree import MAX_CONTEXT, PAGE_BYTES, HostCache, LRUTier, Trace, _figures, prefixtree
+from tools.benchmarks.prefixtree import (MAX_CONTEXT, PAGE_BYTES, HostCache, LRUTier, Trace, _figures, prefixtree,
+                                         seed_means)
+from tools.benchmarks.report import render_prefixtree
 from tools.benchmarks.prefixtree_hybrid import HybridLRUTier, hybrid_model
 
 FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
@@ -99,6 +101,22 @@ def test_tiny_run_structure_and_sanity(tiny):
     figs = _figures(tiny)
     assert figs and all(FIGURE_KEYS <= set(f) for f in figs)
     assert any(f["name"].startswith("share of the gap") for f in figs)
+
+
+def test_seed_means_average_each_run_over_the_seeds(tiny):
+    """Two seeds' tiny runs: the means are the runs' own figures averaged, the lowest usable / live the lower,
+    and the report prints every seed and the means."""
+    other = prefixtree(seed=12, requests=160, conversations=16, sizes=(0.8, 4.0))
+    assert other["pages"] != tiny["pages"]  # another trace
+    means = seed_means({11: {"plain": tiny}, 12: {"plain": other}})
+    for key, v in means["plain"].items():
+        runs = (tiny["runs"][key], other["runs"][key])
+        ratios = [r["ours"]["tokens"] / r["lru"]["tokens"] for r in runs]
+        assert v["vs_lru"] == pytest.approx(sum(ratios) / 2)
+        assert v["gap_share"] == pytest.approx(sum(r["ours"]["gap_share"] for r in runs) / 2)
+        assert v["usable_live_min"] == min(r["ours"]["usable_live"] for r in runs) <= v["usable_live"]
+    lines = render_prefixtree({"models": tiny, "by_seed": {11: {"plain": tiny}, 12: {"plain": other}}, "means": means})
+    assert "prefixtree seed 12:" in lines and sum("mean over seeds 11,12: plain" in x for x in lines) == 4
 
 
 def test_tiny_hybrid_run_matches_the_unbounded_pool_when_nothing_is_evicted():

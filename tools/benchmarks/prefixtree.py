@@ -366,8 +366,32 @@ def _figures(r: dict) -> list:
 def bench_prefixtree(args) -> dict:
     from .prefixtree_hybrid import hybrid_model
     progress = progress_of(args)
-    seed = getattr(args, "prefixtree_seed", 11)
-    plain = prefixtree(seed, progress=lambda f, note="": progress(f / 2, note))
-    hybrid = prefixtree(seed, model=hybrid_model(), progress=lambda f, note="": progress(0.5 + f / 2, note))
-    return {"scenario": NAME, "seed": seed, "models": {"plain": plain, "hybrid": hybrid},
-            "figures": _figures(plain) + _figures(hybrid)}
+    seeds = list(getattr(args, "prefixtree_seeds", None) or [11])
+    runs, figs = {}, []
+    for i, seed in enumerate(seeds):
+        def part(k, i=i, seed=seed):
+            return lambda f, note="": progress((2 * i + k + f) / (2 * len(seeds)), f"seed {seed}, {note}")
+        models = {"plain": prefixtree(seed, progress=part(0)),
+                  "hybrid": prefixtree(seed, model=hybrid_model(), progress=part(1))}
+        runs[seed] = models
+        where = f"seed {seed}, " if len(seeds) > 1 else ""
+        figs += [{**f, "name": where + f["name"]} for m in models.values() for f in _figures(m)]
+    return {"scenario": NAME, "seeds": seeds, "models": runs[seeds[0]], "by_seed": runs,
+            "means": seed_means(runs) if len(seeds) > 1 else None, "figures": figs}
+
+
+def seed_means(runs: dict) -> dict:
+    """Per model and run ('plain' -> 'sglang@3' -> ...): the means over the seeds of ours / LRU, of the gap
+    won and of usable / live, and the lowest usable / live. One trace's figures move with its seed."""
+    rows: dict = {}
+    for models in runs.values():
+        for name, m in models.items():
+            for key, run in m["runs"].items():
+                o = run["ours"]
+                rows.setdefault(name, {}).setdefault(key, []).append(
+                    (o["tokens"] / max(1, run["lru"]["tokens"]), o["gap_share"], o["usable_live"]))
+    return {name: {key: {"vs_lru": float(np.mean([v[0] for v in vals])),
+                         "gap_share": float(np.mean([v[1] for v in vals])),
+                         "usable_live": float(np.mean([v[2] for v in vals])),
+                         "usable_live_min": float(min(v[2] for v in vals))}
+                   for key, vals in keyed.items()} for name, keyed in rows.items()}

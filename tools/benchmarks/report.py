@@ -186,8 +186,23 @@ def _paired(row: dict, name: str) -> str:
 
 
 def render_prefixtree(r: dict) -> list[str]:
+    by_seed = r.get("by_seed") or {11: r["models"]}
     out = []
-    for m in r["models"].values():
+    for seed, models in by_seed.items():
+        if len(by_seed) > 1:
+            out.append(f"prefixtree seed {seed}:")
+        out += _prefixtree_models(models)
+    for name, keyed in (r.get("means") or {}).items():
+        for key, v in keyed.items():
+            out.append(f"prefixtree mean over seeds {','.join(map(str, by_seed))}: {name} {key}: ours / LRU "
+                       f"x{v['vs_lru']:.3f}, gap won {v['gap_share']:+.2f}, usable/live {v['usable_live']:.3f} "
+                       f"(lowest {v['usable_live_min']:.3f})")
+    return out
+
+
+def _prefixtree_models(models: dict) -> list[str]:
+    out = []
+    for m in models.values():
         out.append(f"prefixtree {m['model']} model: {m['requests']} requests, {m['pages']} pages "
                    f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions")
         for run in m["runs"].values():

@@ -65,8 +65,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
     g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
     g = p.add_argument_group("prefixtree")
-    g.add_argument("--prefixtree-seed", type=int, default=11,
-                   help="seed of the conversation trace (default 11; the figures move with it, see BENCHMARKS.md)")
+    g.add_argument("--prefixtree-seeds", default=[11], type=_seed_list,
+                   help="seeds of the conversation trace, comma separated (default 11); with several, each seed's "
+                        "figures and their means (the figures move with the seed, see BENCHMARKS.md)")
     g = p.add_argument_group("scaling")
     g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
     g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
@@ -78,6 +79,15 @@ def _size_list(text: str) -> list[int]:
         return [parse_size(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not xs:
+        raise argparse.ArgumentTypeError("no seed given")
+    return list(dict.fromkeys(xs))
 
 def _int_list(text: str) -> list[int]:
     try:
