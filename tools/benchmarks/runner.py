@@ -80,20 +80,21 @@ def _size_list(text: str) -> list[int]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
-def _seed_list(text: str) -> list[int]:
+def _ints(text: str) -> list[int]:
+    """Comma-separated integers, in the order given."""
     try:
-        xs = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+def _seed_list(text: str) -> list[int]:
+    xs = _ints(text)
     if not xs:
         raise argparse.ArgumentTypeError("no seed given")
     return list(dict.fromkeys(xs))
 
 def _int_list(text: str) -> list[int]:
-    try:
-        xs = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    xs = _ints(text)
     if not xs or min(xs) < 1:
         raise argparse.ArgumentTypeError(f"process counts must be >= 1: {text!r}")
     return sorted(set(xs))
