@@ -194,16 +194,10 @@ def render_prefixtree(r: dict) -> list[str]:
         out += _prefixtree_models(models)
     for name, keyed in (r.get("means") or {}).items():
         for key, v in keyed.items():
-            gap = f", gap won {v['gap_share']:+.2f}" if _gap_case(key) else ""
+            gap = f", gap won {v['gap_share']:+.2f}" if v.get("gap_goal") else ""
             out.append(f"prefixtree mean over seeds {','.join(map(str, by_seed))}: {name} {key}: ours / LRU "
                        f"x{v['vs_lru']:.3f}{gap}, usable/live {v['usable_live']:.3f} (lowest {v['usable_live_min']:.3f})")
     return out
-
-
-def _gap_case(key: str) -> bool:
-    """The runs whose gap to unbounded is a goal of #19 (SGLang-like, working set >= 3x the pool), e.g. 'sglang@3'."""
-    rep, _, ratio = key.partition("@")
-    return rep == "sglang" and float(ratio or 0) >= 3
 
 
 def _prefixtree_models(models: dict) -> list[str]:
