@@ -1,8 +1,15 @@
 """Policy: which class deserves the pool's units (memcached's slab_automove.c, here decided per allocation).
 
 Every allocation adds its bytes to its class's decayed demand (FORMAT.md section 4); a class that must
-make room asks `should_move` whether to take a slab from the pool (slab CLOCK, slabmover.py) or to evict
-its own blocks (block CLOCK, blockclock.py). This module decides and never moves anything.
+make room asks `donors` which classes may give it a slab (slab CLOCK, slabmover.py), and evicts its own
+blocks (block CLOCK, blockclock.py) when none may. This module decides and never moves anything.
+
+The rule balances *retention*: a class's slab bytes over its decayed demand, how long a value written
+there now stays, in units of the pool's write volume. Pages of one request land in several classes in
+fixed proportions, so a request survives only while its class with the shortest retention keeps it;
+equal retention makes every class let a request go at the same time. The pool's first fill already
+hands out units in proportion to demand; a move evicts a whole window of slabs whose values belong to
+many requests, so moves pay only for a real shift of demand, never for noise.
 """
 
 from __future__ import annotations
@@ -16,11 +23,10 @@ from .classtable import ClassInfo
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes
 # (an epoch).
 DEMAND_EPOCH_DIV = 4
-# A class that must evict takes a slab from the pool (slab CLOCK) instead of evicting its own blocks
-# while it is short of its share of demand d (a fraction) by more than min(MOVE_RATIO x d, MOVE_ABS)
-# of the slab bytes (FORMAT.md section 8).
-MOVE_RATIO = 0.5
-MOVE_ABS = 0.05
+# A class that must evict takes a slab from class d only if d, after giving one of its slabs, would still
+# keep its values at least (1 + MOVE_MARGIN) times as long as the taker after taking one (FORMAT.md
+# section 8). The margin keeps demand noise from trading slabs back and forth.
+MOVE_MARGIN = 0.3
 
 
 class DemandPolicy:
@@ -61,26 +67,29 @@ class DemandPolicy:
         U64.pack_into(mm, co + CLS_DEMAND, min(dem + nbytes, 2**63))
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
-    def should_move(self, info: ClassInfo) -> bool:
-        """The rule (FORMAT.md section 8): take a slab from the pool rather than evict within the class?
+    def donors(self, info: ClassInfo) -> np.ndarray:
+        """The rule (FORMAT.md section 8): the class ids that may give a slab to class `info` now.
 
-        Yes when the class has no slab, or when its share of the bytes in slabs falls short of its
-        share d of the (decayed) demand of all classes by more than min(MOVE_RATIO x d, MOVE_ABS):
-        by more than half for a class with a small share (noise in a small class's demand must not
-        trade slabs back and forth: every move evicts a whole window and leaves a slab to fill), by
-        more than 5 % of the pool for a class with a large share. Other classes' counters are read
-        without their locks: a stale value only shifts one decision.
+        Every class with a slab, when `info`'s class has none. Otherwise each class d with a slab whose
+        retention after giving one, (units_d - k_d) / demand_d, is at least (1 + MOVE_MARGIN) times the
+        taker's after taking one, (units_c + k_c) / demand_c; a class without demand keeps nothing and
+        gives. Other classes' counters are read without their locks: a stale value only shifts one
+        decision.
         """
         cid = info.cid
-        nslabs = self.cls_nslabs.astype(np.float64)
-        if nslabs[cid] == 0:
-            return True
+        k = self.cls_k.astype(np.float64)
+        units = self.cls_nslabs.astype(np.float64) * k
+        has_slab = self.cls_nslabs > 0
+        if not has_slab[cid]:
+            return np.flatnonzero(has_slab)
         (epoch,) = U32.unpack_from(self.mm, DEMAND_EPOCH_OFF)
         age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
         dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
-        slab = nslabs * self.cls_k
-        total_dem, total_slab = float(dem.sum()), float(slab.sum())
-        if total_dem <= 0 or total_slab <= 0:
-            return False
-        share = dem[cid] / total_dem
-        return share - slab[cid] / total_slab > min(MOVE_RATIO * share, MOVE_ABS)
+        if dem[cid] <= 0:
+            return np.zeros(0, dtype=np.int64)
+        taker = (units[cid] + k[cid]) / dem[cid]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            giver = np.where(dem > 0, (units - k) / dem, np.inf)
+        ok = has_slab & (giver >= (1 + MOVE_MARGIN) * taker)
+        ok[cid] = False
+        return np.flatnonzero(ok)

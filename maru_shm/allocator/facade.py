@@ -135,8 +135,8 @@ class Allocator:
     def evict_blocks(self, info: ClassInfo, m: int) -> int:
         return self.clock.evict_blocks(info, m)
 
-    def should_move(self, info: ClassInfo) -> bool:
-        return self.demand.should_move(info)
+    def donors(self, info: ClassInfo):
+        return self.demand.donors(info)
 
     def find_free_run(self, k: int) -> int | None:
         return self.runs.find_free_run(k)

@@ -161,9 +161,10 @@ class Reserver:
     def _make_room(self, info: ClassInfo, nblocks: int) -> bool:
         """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
 
-        Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) if the
-        demand policy says so, else evict blocks of this class (block CLOCK); whichever is tried
-        first, the other is the fallback. False if no room could be made.
+        Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) from the
+        classes the demand policy names donors, else evict blocks of this class (block CLOCK); whichever
+        is tried first, the other is the fallback (a move then from any class). False if no room could be
+        made.
         """
         need = -(-nblocks // info.bps)
         if nblocks >= info.bps:
@@ -177,12 +178,12 @@ class Reserver:
         if self.clock.evict_blocks(info, nblocks, stranded_only=True):
             return True  # values that can no longer be a hit go before any slab move or CLOCK victim
         with self.locks.pool_lock():
-            move = self.demand.should_move(info)
-            if move and self.mover.move_slab(info):
+            donors = set(self.demand.donors(info).tolist())
+            if donors and self.mover.move_slab(info, donors):
                 return True
         if self.clock.evict_blocks(info, nblocks):
             return True
-        if not move:
+        if not donors:  # every block of the class in flight or pinned: a slab of any class will do
             with self.locks.pool_lock():
                 return self.mover.move_slab(info)
         return False

@@ -2,9 +2,10 @@
 
 The slab CLOCK hand (superblock `slab_hand`) walks HEAD units; a slab whose ref bits are set gets a
 second chance (cleared as the hand passes). A window of k units is taken only if every slab overlapping
-it can be locked without waiting, holds no block of a live process and no pinned block: its LIVE blocks
-are unpublished in one round of shard locks, then the slabs' units go back to the pool. Whether to move
-at all is demand.py's decision.
+it can be locked without waiting, belongs to a class the policy lets give (demand.py `donors`), holds no
+block of a live process and no pinned block: its LIVE blocks are unpublished in one round of shard locks,
+then the slabs' units go back to the pool. Whether to move at all, and from which classes, is demand.py's
+decision.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class SlabMover:
         self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
         self.metas, self.runs, self.release, self.relations = metas, runs, release, relations
 
-    def move_slab(self, info: ClassInfo) -> bool:
-        """CLASS[c] and POOL held: evict a slab-CLOCK window and format a slab of the class there."""
-        u = self.evict_for(info)
+    def move_slab(self, info: ClassInfo, donors=None) -> bool:
+        """CLASS[c] and POOL held: evict a slab-CLOCK window of the `donors` classes' slabs (class ids;
+        None: any class's) and format a slab of the class there."""
+        u = self.evict_for(info, donors)
         if u is None:
             return False
         if _cp.ARMED is not None:
@@ -38,8 +40,9 @@ class SlabMover:
         self.slabs.format(u, info)
         return True
 
-    def evict_for(self, info: ClassInfo) -> int | None:
-        """Slab CLOCK: free a window of info.k units by evicting the slabs in it. CLASS+POOL held."""
+    def evict_for(self, info: ClassInfo, donors=None) -> int | None:
+        """Slab CLOCK: free a window of info.k units by evicting the slabs in it, all of them of the `donors`
+        classes if given. CLASS+POOL held."""
         mm, slabs = self.slabs.mm, self.slabs
         n, k = self.slabs.geo.n_units, info.k
         if k > n:
@@ -52,19 +55,20 @@ class SlabMover:
                 if slabs.state(u) != UNIT_HEAD:
                     continue
                 cinfo = self.class_table.info(slabs.cls(u))
-                if cinfo is None:
+                if cinfo is None or (donors is not None and cinfo.cid not in donors):
                     continue
                 if sweep < 2 and slabs.referenced(u, cinfo.k, clear=True):
                     continue
-                if self.evict_window(min(u, n - k), k, info.cid):
+                if self.evict_window(min(u, n - k), k, info.cid, donors):
                     U32.pack_into(mm, SLAB_HAND_OFF, (u + 1) % n)
                     run = self.runs.find_free_run(k)
                     if run is not None:
                         return run
         return None
 
-    def evict_window(self, w0: int, k: int, my_cid: int) -> bool:
-        """CLASS[my_cid] and POOL held: evict every slab overlapping units [w0, w0 + k) if all can go."""
+    def evict_window(self, w0: int, k: int, my_cid: int, donors=None) -> bool:
+        """CLASS[my_cid] and POOL held: evict every slab overlapping units [w0, w0 + k) if all can go (and all
+        are of the `donors` classes, if given)."""
         heads = self.slabs.heads_in(w0, k)
         if heads is None:
             return False
@@ -74,7 +78,7 @@ class SlabMover:
             for h in heads:
                 c = self.slabs.cls(h)
                 cinfo = self.class_table.info(c)
-                if cinfo is None or h + cinfo.k > self.slabs.geo.n_units:
+                if cinfo is None or h + cinfo.k > self.slabs.geo.n_units or (donors is not None and c not in donors):
                     return False
                 if c != my_cid and c not in locked:
                     dirty = self.locks.try_class(c)

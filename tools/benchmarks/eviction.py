@@ -175,12 +175,12 @@ class _WindowObserver:
             del self.a.mover.evict_for, self.a.mover.evict_window
             self.on = False
 
-    def _evict_for(self, info):
+    def _evict_for(self, info, *rest):
         self.n["evictions"] += 1
         self.n["window_units"] += info.k
-        return self._for(info)
+        return self._for(info, *rest)
 
-    def _evict_window(self, w0, k, my_cid):
+    def _evict_window(self, w0, k, my_cid, *rest):
         a, mm = self.a, self.mm
         slabs = refd = values = hit = 0
         for h in a.slabs.heads_in(w0, k):
@@ -195,7 +195,7 @@ class _WindowObserver:
                 if mm[m] & 3 == 2:  # LIVE
                     values += 1
                     hit += mm[m + 30] != 0
-        ok = self._window(w0, k, my_cid)
+        ok = self._window(w0, k, my_cid, *rest)
         if ok:
             for f, v in zip(self.FIELDS[2:], (slabs, refd, values, hit)):
                 self.n[f] += v

@@ -239,16 +239,17 @@ def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
 
 def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     """Class A fills the pool; then A and B are put at equal byte rates. B starts with no slab (it must
-    take one), and takes slabs from A until it holds about half the slab bytes; A at its share evicts
-    within itself. Moves happen, but far fewer than B's puts (a class near its share does not move)."""
+    take one), and takes slabs from A until their retentions (slab bytes / demand) are within the move
+    margin: B then holds about 0.4-0.5 of the slab bytes, and A evicts within itself. Moves happen, but
+    far fewer than B's puts (a class near its share does not move)."""
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     a_size = next(b for b in sizes if b >= 100 * KiB)
     b_size = next(b for b in sizes if b >= 200 * KiB)
     ia, n = _fill_one_class(s, a_size, "a")
     ib = s.alloc.class_for(b_size)
-    assert s.alloc.should_move(ib), "a class without a slab must get one"
-    assert not s.alloc.should_move(ia)
+    assert list(s.alloc.donors(ib)) == [ia.cid], "a class without a slab must get one"
+    assert not len(s.alloc.donors(ia))
     b_puts = written = 0
     while written < 4 * s.geo.data_bytes:
         kb = f"b{b_puts}"
@@ -264,6 +265,44 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     print(f"\nB's slab share {share_b:.3f}, {moves} slab moves for {b_puts} puts of B")
     assert 0.35 <= share_b <= 0.65, share_b
     assert 0 < moves < b_puts / 4, (moves, b_puts)
+    assert_clean(s)
+
+
+def test_the_move_rule_balances_retention_with_a_margin(open_store):
+    """`donors`: a class without a slab may take one from every class that has one. Otherwise class d gives
+    class c a slab only while d, after giving it, still keeps its values at least 1 + MOVE_MARGIN times as
+    long as c after taking it (retention: slab units / decayed demand); so a move never makes c a donor
+    of d in turn. A class whose demand has decayed to nothing gives."""
+    from maru_shm.allocator.demand import MOVE_MARGIN
+    from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
+    s = open_store("64M")
+    sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
+    ia, _ = _fill_one_class(s, next(b for b in sizes if b >= 100 * KiB), "a")
+    ib = s.alloc.class_for(next(b for b in sizes if b >= 200 * KiB))
+    assert list(s.alloc.donors(ib)) == [ia.cid]
+    assert s.put("b0", make_value("b0", 1, ib.block))  # takes a window of A's slabs
+    nslabs = s.alloc.cls_nslabs
+    assert nslabs[ib.cid] == 1
+    ua, ub = float(nslabs[ia.cid] * ia.k), float(nslabs[ib.cid] * ib.k)
+    (epoch,) = U32.unpack_from(s.mm, DEMAND_EPOCH_OFF)
+
+    def demand(info, value):
+        U64.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND, int(value))
+        U32.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND_EPOCH, epoch)
+
+    demand(ia, ua * 1000)  # demand in proportion to the slabs: equal retention, nobody gives
+    demand(ib, ub * 1000)
+    assert not len(s.alloc.donors(ib)) and not len(s.alloc.donors(ia))
+    giver = (ua - ia.k) / (ua * 1000)  # A's retention after giving a slab
+    bound = (1 + MOVE_MARGIN) * (ub + ib.k) / giver  # B's demand at which B's retention after taking one
+    demand(ib, bound * 1.02)  # is 1 / (1 + MOVE_MARGIN) of A's: just past it A gives, just short of it not
+    assert list(s.alloc.donors(ib)) == [ia.cid]
+    assert not len(s.alloc.donors(ia)), "the taker never becomes the giver's donor"
+    demand(ib, bound * 0.98)
+    assert not len(s.alloc.donors(ib))
+    demand(ia, 0)  # A idle: its values stay for ever, it gives whatever B's demand
+    demand(ib, 1)
+    assert list(s.alloc.donors(ib)) == [ia.cid]
     assert_clean(s)
 
 
