@@ -129,10 +129,12 @@ class ClassTable:
         """CLASSTAB held: entry cid (unused) becomes the exact-fit class of n-byte blocks; kind last."""
         g = self.geo
         off = g.class_entry(cid)
-        # Never more than a quarter of the units: a slab of more units than the pool has would make
-        # the entry invalid (refresh drops it, and declare_size raised KeyError).
-        k, per_slab = slab_shape(n, g.unit_size, max_units=min(64, max(1, g.n_units // 4)),
-                                 min_bytes=exact_slab_floor(g.data_bytes))
+        # Up to twice the floor (a page that does not divide the floor's slab finds a k past it that wastes
+        # under 1 %), and never more than a quarter of the units: a slab of more units than the pool has
+        # would make the entry invalid (refresh drops it, and declare_size raised KeyError).
+        floor = exact_slab_floor(g.data_bytes)
+        reach = max(64, 2 * -(-floor // g.unit_size))
+        k, per_slab = slab_shape(n, g.unit_size, max_units=min(reach, max(1, g.n_units // 4)), min_bytes=floor)
         CLASS_STRUCT.pack_into(self.mm, off, KIND_UNUSED, k, n, per_slab, 0, 0, 0, time.time_ns())
         U32.pack_into(self.mm, off, KIND_EXACT)  # kind last: the entry is complete
         if _cp.ARMED is not None:

@@ -14,6 +14,8 @@ from maru_shm.index import key_digest
 
 from ..conftest import assert_clean
 
+KiB = 1 << 10
+
 SHAPES = [(4096, 64 << 20), (4096, 1 << 30), (512, 1 << 20), (8192, 3 << 20), (4096, 4096 * 3 + 17)]
 
 
@@ -104,6 +106,22 @@ def test_exact_fit_class(open_store, pool_path, make_value):
     # the value landed in a block of exactly its size
     off = s.index.find(key_digest("p"))[1]
     assert s.alloc.head_of(off)[1].cid == cid
+    assert_clean(s)
+
+
+def test_exact_fit_slabs_past_the_floor_waste_under_one_percent(open_store):
+    """In a 1 GiB pool exact-fit slabs are at least 16 MiB (64 units). DeepSeek-V4-like pages that do not
+    divide 16 MiB (c1 1 797 120 B and c2 898 560 B waste 3.6 % there) get a slab of a few more units that
+    wastes under 1 %; a page that wastes under 1 % in 16 MiB keeps the floor."""
+    s = open_store("1G")
+    for page in (1797120, 898560, 449280, 128 * KiB + 64):
+        s.declare_size(page)
+        info = s.alloc.class_for(page)
+        assert info.kind == KIND_EXACT and info.block == page
+        slab = info.k * s.geo.unit_size
+        assert slab >= 16 << 20 and info.k <= 128, (page, info.k)
+        assert (slab - info.bps * page) / slab <= 0.01, (page, info.k, info.bps)
+    assert s.alloc.class_for(1797120).k > 64 and s.alloc.class_for(449280).k == 64
     assert_clean(s)
 
 
