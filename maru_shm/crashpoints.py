@@ -103,6 +103,7 @@ POINTS = (
     "evict.mid",
     "evict.block_mid",
     "slab.mid_move",
+    "move.after_relocate",
     "slab.mid_format",
     "slab.mid_free",
     "reap.mid",

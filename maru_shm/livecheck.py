@@ -91,6 +91,7 @@ class _Pool:
     """
 
     locks = None
+    owner = 0  # the check owns no block
 
     def __init__(self, view):
         self.mm, self.geo = view.mm, view.geo
@@ -109,6 +110,9 @@ class _Pool:
 
     def unpublish_many(self, halves, offsets, words):
         raise StoreError("internal error: the read-only check asked to unpublish blocks")
+
+    def repoint_many(self, halves, offsets, words, new_offsets, new_words):
+        raise StoreError("internal error: the read-only check asked to move blocks")
 
     def release_views(self) -> None:
         self.alloc.release_views()

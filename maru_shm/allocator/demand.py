@@ -14,6 +14,8 @@ many requests, so moves pay only for a real shift of demand, never for noise.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..format import (CLASS_ENTRY, CLS_DEMAND, CLS_DEMAND_EPOCH, CLS_K, CLS_NSLABS, DEMAND_ACC_OFF,
@@ -23,10 +25,20 @@ from .classtable import ClassInfo
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes
 # (an epoch).
 DEMAND_EPOCH_DIV = 4
-# A class that must evict takes a slab from class d only if d, after giving one of its slabs, would still
-# keep its values at least (1 + MOVE_MARGIN) times as long as the taker after taking one (FORMAT.md
-# section 8). The margin keeps demand noise from trading slabs back and forth.
+# A class that must evict takes a slab from class d, evicting what does not fit elsewhere in d, only if d
+# after giving one of its slabs would still keep its values at least (1 + MOVE_MARGIN) times as long as the
+# taker after taking one (FORMAT.md section 8): the margin keeps demand noise from trading slabs back and
+# forth at the price of evictions.
 MOVE_MARGIN = 0.3
+# A slab whose live values all fit in free blocks of d elsewhere (moved, not evicted) is taken whenever the
+# shorter retention of the two after the move is at least (1 + RELOCATE_GAIN) times the taker's now.
+RELOCATE_GAIN = 0.1
+
+
+class Donors(NamedTuple):
+    """The classes that may give a slab to a class that must make room (class ids)."""
+    relocate: np.ndarray  # only a slab whose live values all move to free blocks of its class
+    evict: np.ndarray     # any slab, evicting the values that do not fit
 
 
 class DemandPolicy:
@@ -67,29 +79,34 @@ class DemandPolicy:
         U64.pack_into(mm, co + CLS_DEMAND, min(dem + nbytes, 2**63))
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
-    def donors(self, info: ClassInfo) -> np.ndarray:
-        """The rule (FORMAT.md section 8): the class ids that may give a slab to class `info` now.
+    def donors(self, info: ClassInfo) -> Donors:
+        """The rule (FORMAT.md section 8): the classes that may give a slab to class c = `info` now.
 
-        Every class with a slab, when `info`'s class has none. Otherwise each class d with a slab whose
-        retention after giving one, (units_d - k_d) / demand_d, is at least (1 + MOVE_MARGIN) times the
-        taker's after taking one, (units_c + k_c) / demand_c; a class without demand keeps nothing and
-        gives. Other classes' counters are read without their locks: a stale value only shifts one
-        decision.
+        Every class with a slab, when c has none. Otherwise, with retention r = slab units / decayed demand
+        and k a class's slab units: class d with a slab may give one whose values all move if
+        min(r_d after giving, r_c after taking) >= (1 + RELOCATE_GAIN) x r_c now (the shorter of the two
+        retentions grows), and any slab if r_d after giving >= (1 + MOVE_MARGIN) x r_c after taking. A class
+        without demand keeps its values for ever and gives. Other classes' counters are read without their
+        locks: a stale value only shifts one decision.
         """
         cid = info.cid
         k = self.cls_k.astype(np.float64)
         units = self.cls_nslabs.astype(np.float64) * k
         has_slab = self.cls_nslabs > 0
         if not has_slab[cid]:
-            return np.flatnonzero(has_slab)
+            every = np.flatnonzero(has_slab)
+            return Donors(every, every)
         (epoch,) = U32.unpack_from(self.mm, DEMAND_EPOCH_OFF)
         age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
         dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
         if dem[cid] <= 0:
-            return np.zeros(0, dtype=np.int64)
-        taker = (units[cid] + k[cid]) / dem[cid]
+            none = np.zeros(0, dtype=np.int64)
+            return Donors(none, none)
+        now, taker = units[cid] / dem[cid], (units[cid] + k[cid]) / dem[cid]
         with np.errstate(divide="ignore", invalid="ignore"):
             giver = np.where(dem > 0, (units - k) / dem, np.inf)
-        ok = has_slab & (giver >= (1 + MOVE_MARGIN) * taker)
-        ok[cid] = False
-        return np.flatnonzero(ok)
+        others = has_slab.copy()
+        others[cid] = False
+        relocate = others & (np.minimum(giver, taker) >= (1 + RELOCATE_GAIN) * now)
+        evict = others & (giver >= (1 + MOVE_MARGIN) * taker)
+        return Donors(np.flatnonzero(relocate), np.flatnonzero(evict))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_REF, UNIT_HEAD, UNIT_TAIL
 from .blockclock import BlockClock
 from .blockmeta import SMALL_BATCH, BlockMetas, digest_bytes
 from .classtable import ClassInfo
@@ -18,7 +17,7 @@ from .freeruns import FreeRuns
 from .kept import KeptBlocks, spare_limit
 from .locking import AllocatorLocks
 from .slabmover import SlabMover
-from .slabtable import SlabTable, get32
+from .slabtable import SlabTable
 
 _NO_DIGEST = bytes(16)  # a spare's digest: it holds no value yet
 
@@ -76,7 +75,7 @@ class Reserver:
                     if not self._make_room(info, m - len(out)):
                         break
                     continue
-                if not self._usable_partial(head - 1, info):
+                if not self.slabs.usable_partial(head - 1, info):
                     # The list names no partial slab of this class, or a slab whose extent or shape is not
                     # the class's (damage): blocks reserved there would overlap another slab's values.
                     # Rebuild the class from the slab table, once (blocks taken so far are reserved first:
@@ -87,7 +86,7 @@ class Reserver:
                     self.locks.repair_class(cid)
                     rebuilt = True
                     continue
-                self._take_from_slab(head - 1, info, m - len(out) - len(pending), m <= SMALL_BATCH, pending)
+                self.slabs.take_free(head - 1, info, m - len(out) - len(pending), m <= SMALL_BATCH, pending)
             reserve_pending()
             if m == 1 and out:
                 self._reserve_spares(info, owner)
@@ -98,10 +97,10 @@ class Reserver:
         process's next puts of the class (kept.spare_limit), never making room for them."""
         want = spare_limit(info) - self.kept.count(info.cid)
         head = self.slabs.partial_head(info.cid)
-        if want <= 0 or head == 0 or not self._usable_partial(head - 1, info):
+        if want <= 0 or head == 0 or not self.slabs.usable_partial(head - 1, info):
             return
         spares: list[int] = []
-        self._take_from_slab(head - 1, info, want, True, spares)
+        self.slabs.take_free(head - 1, info, want, True, spares)
         for off in spares:
             self.metas.reserve(off, _NO_DIGEST, 0, owner)
         self.kept.give_back(info.cid, spares)
@@ -113,58 +112,13 @@ class Reserver:
         else:
             self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner)
 
-    def _usable_partial(self, h: int, info: ClassInfo) -> bool:
-        """Is h a HEAD of this class, on the partial list, with the class's extent and shape?"""
-        slabs = self.slabs
-        if h >= slabs.geo.n_units:
-            return False
-        s = slabs.geo.slab_entry(h)
-        mm = slabs.mm
-        state, cid = slabs.state_and_cls(h)
-        return (state == UNIT_HEAD and cid == info.cid and h + info.k <= slabs.geo.n_units
-                and bool(mm[s + SLAB_INPARTIAL]) and get32(mm, s + SLAB_NBLOCKS) == info.bps
-                and (info.k == 1 or ((slabs.states[h + 1:h + info.k] == UNIT_TAIL).all()
-                                     and (slabs.clsfield[h + 1:h + info.k] == h).all())))
-
-    def _take_from_slab(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
-        """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
-        slabs = self.slabs
-        base = h * slabs.geo.unit_size
-        nfree = slabs.nfree(h)
-        if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
-            bm = slabs.bitmap(h)
-            free_bits = ~bm & ((1 << info.bps) - 1)
-            got = 0
-            while free_bits and got < want:
-                low = free_bits & -free_bits
-                free_bits ^= low
-                bm |= low
-                pending.append(base + (low.bit_length() - 1) * info.block)
-                got += 1
-            if got:
-                slabs.set_bitmap(h, bm)
-        else:
-            bits = np.unpackbits(np.frombuffer(slabs.bitmap(h).to_bytes(32, "little"), np.uint8), bitorder="little")
-            free = np.flatnonzero(bits[:info.bps] == 0)[:want]
-            got = len(free)
-            if got:
-                bits[free] = 1
-                slabs.set_bitmap(h, int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little"))
-                pending += (base + free * info.block).tolist()
-        nfree = 0 if got == 0 else max(0, nfree - got)  # no free bit: the count was stale
-        slabs.set_nfree(h, nfree)
-        slabs.add_used(info.cid, got)
-        if nfree == 0:
-            slabs.partial_remove(info.cid, h)
-        slabs.mm[slabs.geo.slab_entry(h) + SLAB_REF] = 1
-
     def _make_room(self, info: ClassInfo, nblocks: int) -> bool:
         """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
 
         Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) from the
-        classes the demand policy names donors, else evict blocks of this class (block CLOCK); whichever
-        is tried first, the other is the fallback (a move then from any class). False if no room could be
-        made.
+        classes the demand policy names donors, first one whose values all move, then one that evicts,
+        else evict blocks of this class (block CLOCK); whichever is tried first, the other is the fallback
+        (a move then from any class). False if no room could be made.
         """
         need = -(-nblocks // info.bps)
         if nblocks >= info.bps:
@@ -178,12 +132,14 @@ class Reserver:
         if self.clock.evict_blocks(info, nblocks, stranded_only=True):
             return True  # values that can no longer be a hit go before any slab move or CLOCK victim
         with self.locks.pool_lock():
-            donors = set(self.demand.donors(info).tolist())
-            if donors and self.mover.move_slab(info, donors):
+            donors = self.demand.donors(info)
+            if len(donors.relocate) and self.mover.move_slab(info, set(donors.relocate.tolist()), may_evict=False):
+                return True
+            if len(donors.evict) and self.mover.move_slab(info, set(donors.evict.tolist())):
                 return True
         if self.clock.evict_blocks(info, nblocks):
             return True
-        if not donors:  # every block of the class in flight or pinned: a slab of any class will do
+        if not len(donors.evict):  # every block of the class in flight or pinned: a slab of any class will do
             with self.locks.pool_lock():
                 return self.mover.move_slab(info)
         return False

@@ -13,14 +13,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL
+from ..format import CLS_NSLABS, CLS_USED, FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
 from .locking import AllocatorLocks
 from .relations import Relations
 from .release import BlockRelease
-from .slabtable import SlabTable
+from .relocation import Relocator
+from .slabtable import SlabTable, get32
 
 
 class SlabMover:
@@ -28,11 +29,14 @@ class SlabMover:
                  runs: FreeRuns, release: BlockRelease, relations: Relations):
         self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
         self.metas, self.runs, self.release, self.relations = metas, runs, release, relations
+        self.relocator = Relocator(host, slabs, metas, release, relations)
 
-    def move_slab(self, info: ClassInfo, donors=None) -> bool:
-        """CLASS[c] and POOL held: evict a slab-CLOCK window of the `donors` classes' slabs (class ids;
-        None: any class's) and format a slab of the class there."""
-        u = self.evict_for(info, donors)
+    def move_slab(self, info: ClassInfo, donors=None, may_evict: bool = True) -> bool:
+        """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids;
+        None: any class's) and format a slab of the class there. Live values move to free blocks of their
+        class outside the window (relocation.py); those that do not fit are evicted, or, without
+        `may_evict`, the window is passed over."""
+        u = self.evict_for(info, donors, may_evict)
         if u is None:
             return False
         if _cp.ARMED is not None:
@@ -40,16 +44,20 @@ class SlabMover:
         self.slabs.format(u, info)
         return True
 
-    def evict_for(self, info: ClassInfo, donors=None) -> int | None:
-        """Slab CLOCK: free a window of info.k units by evicting the slabs in it, all of them of the `donors`
-        classes if given. CLASS+POOL held."""
+    def evict_for(self, info: ClassInfo, donors=None, may_evict: bool = True) -> int | None:
+        """Slab CLOCK: free a window of info.k units by emptying the slabs in it, all of them of the `donors`
+        classes if given. CLASS+POOL held. A move that may not evict considers only donors with a slab's
+        worth of free blocks (a window can fit nowhere else), in one sweep without second chances (it
+        takes nothing that was used)."""
         mm, slabs = self.slabs.mm, self.slabs
         n, k = self.slabs.geo.n_units, info.k
-        if k > n:
+        if not may_evict:
+            donors = {c for c in donors if self._spare_slab(c)}
+        if k > n or (donors is not None and not donors):
             return None
         (hand,) = U32.unpack_from(mm, SLAB_HAND_OFF)
         hand %= n
-        for sweep in range(3):
+        for sweep in (range(3) if may_evict else (2,)):
             for step in range(n):
                 u = (hand + step) % n
                 if slabs.state(u) != UNIT_HEAD:
@@ -59,16 +67,24 @@ class SlabMover:
                     continue
                 if sweep < 2 and slabs.referenced(u, cinfo.k, clear=True):
                     continue
-                if self.evict_window(min(u, n - k), k, info.cid, donors):
+                if self.evict_window(min(u, n - k), k, info.cid, donors, may_evict):
                     U32.pack_into(mm, SLAB_HAND_OFF, (u + 1) % n)
                     run = self.runs.find_free_run(k)
                     if run is not None:
                         return run
         return None
 
-    def evict_window(self, w0: int, k: int, my_cid: int, donors=None) -> bool:
-        """CLASS[my_cid] and POOL held: evict every slab overlapping units [w0, w0 + k) if all can go (and all
-        are of the `donors` classes, if given)."""
+    def _spare_slab(self, cid: int) -> bool:
+        """Has the class a slab's worth of free blocks (its counts, a hint)?"""
+        info = self.class_table.info(cid)
+        co = self.slabs.geo.class_entry(cid)
+        return info is not None and get32(self.slabs.mm, co + CLS_NSLABS) * info.bps - get32(
+            self.slabs.mm, co + CLS_USED) >= info.bps
+
+    def evict_window(self, w0: int, k: int, my_cid: int, donors=None, may_evict: bool = True) -> bool:
+        """CLASS[my_cid] and POOL held: empty every slab overlapping units [w0, w0 + k) if all can go (and all
+        are of the `donors` classes, if given; and, without `may_evict`, if their live values fit in free
+        blocks of their classes outside the window)."""
         heads = self.slabs.heads_in(w0, k)
         if heads is None:
             return False
@@ -92,7 +108,9 @@ class SlabMover:
                 if not self.slab_evictable(h, cinfo):
                     return False
                 infos.append((h, cinfo))
-            self.evict_slabs(infos)
+            if not may_evict and not self._fits(infos):
+                return False
+            self.evict_slabs(infos, may_evict)
             return True
         finally:
             for c in locked:
@@ -111,36 +129,78 @@ class SlabMover:
                 return False
         return True
 
-    def evict_slabs(self, slabs: list[tuple[int, ClassInfo]]) -> None:
-        """Holding the slabs' CLASS locks and POOL: unpublish and free every block, return the units.
+    def evict_slabs(self, slabs: list[tuple[int, ClassInfo]], may_evict: bool = True) -> None:
+        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units.
 
-        The LIVE blocks of all slabs are unpublished in one round of their shard locks
-        (host.unpublish_many), not one lock round per block. A slab one of whose blocks a live process
-        claimed meanwhile is not freed (the window then stays short of free units: the caller looks for
-        a free run anyway). A claim shows as an owner, or, once the claimant has kept the block, reused it
-        without a class lock, published it again and cleared its owner, only as a word that moved on
-        since the words were read before the round: either keeps the slab.
+        Live values first move to free blocks of their class outside these slabs (relocation.py); with
+        `may_evict` the rest are unpublished, in one round of their shard locks (host.unpublish_many), not
+        one lock round per block. A slab one of whose blocks a live process claimed meanwhile is not
+        freed (the window then stays short of free units: the caller looks for a free run anyway), nor is
+        one holding a value that neither moved nor was unpublished. A claim shows as an owner, or, once
+        the claimant has kept the block, reused it without a class lock, published it again and cleared
+        its owner, only as a word that moved on since the words were read before the round: either keeps
+        the slab.
         """
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths = self._live_blocks(slabs)
-        gone = []
-        if live:
-            halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
-            gone = self.host.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
-                                            np.array([w for _, _, w in live], dtype=np.uint64)).tolist()
-        evicted = sum(gone)
-        evicted_bytes = sum(n for n, g in zip(lengths, gone) if g)
+        relocated = self._relocate(slabs, live, lengths)
+        gone = np.zeros(len(live), dtype=bool)
+        rest = np.flatnonzero(~relocated) if may_evict else np.zeros(0, dtype=np.int64)
+        if len(rest):
+            halves = np.frombuffer(b"".join([live[j][0] for j in rest]), dtype="<u8").reshape(-1, 2)
+            gone[rest] = self.host.unpublish_many(halves, np.array([live[j][1] for j in rest], dtype=np.uint64),
+                                                  np.array([live[j][2] for j in rest], dtype=np.uint64))
+        evicted = int(gone.sum())
+        evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g)
         if evicted and self.relations.enabled:
-            self._doom([(off, word) for (_, off, word), g in zip(live, gone) if g])
+            self._doom([(off, word) for (_, off, word), g in zip(live, gone.tolist()) if g])
+        unindexed = relocated | gone  # blocks whose entries we removed or switched to a copy
+        settled = np.ones(len(slabs), dtype=bool) if may_evict else self._all_moved(slabs, live, relocated)
         moved = 0
-        for (h, info), words in zip(slabs, before):
-            if self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
+        for (h, info), words, ok in zip(slabs, before, settled.tolist()):
+            if ok and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
             else:
-                self._free_unpublished(h, info, live, gone)
+                self._free_unpublished(h, info, live, unindexed.tolist())
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
-                        orphans_freed=len(live) - evicted)
+                        orphans_freed=len(rest) - evicted)
+
+    def _fits(self, slabs) -> bool:
+        """Would every live value of the slabs find a free block of its class outside them?"""
+        leaving = {h for h, _ in slabs}
+        need: dict[int, tuple[ClassInfo, int]] = {}
+        for h, info in slabs:
+            live = int(((self.metas.meta_words[self._granules(h, info)] & np.uint64(3)) == LIVE).sum())
+            need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
+        return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
+
+    def _relocate(self, slabs, live: list, lengths: list) -> np.ndarray:
+        """Move what fits of the live values (per class) out of the slabs; the mask of those moved."""
+        moved = np.zeros(len(live), dtype=bool)
+        if not live:
+            return moved
+        leaving = {h for h, _ in slabs}
+        unit = self.slabs.geo.unit_size
+        by_class: dict[int, tuple[ClassInfo, list[int]]] = {}
+        for h, info in slabs:
+            end = h * unit + info.bps * info.block
+            mine = [j for j, (_, off, _) in enumerate(live) if h * unit <= off < end]
+            by_class.setdefault(info.cid, (info, []))[1].extend(mine)
+        for info, js in by_class.values():
+            if js and self.relocator.room(info, leaving):
+                moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)
+        return moved
+
+    def _all_moved(self, slabs, live: list, relocated: np.ndarray) -> np.ndarray:
+        """Per slab: did every live value of it move?"""
+        unit = self.slabs.geo.unit_size
+        offs = np.array([off for _, off, _ in live], dtype=np.int64)
+        out = np.ones(len(slabs), dtype=bool)
+        for i, (h, info) in enumerate(slabs):
+            inside = (offs >= h * unit) & (offs < h * unit + info.bps * info.block)
+            out[i] = bool(relocated[inside].all())
+        return out
 
     def _doom(self, blocks) -> None:
         """The window's evicted values strand what depends on them: doom their segments (relations.py)."""
@@ -167,11 +227,11 @@ class SlabMover:
         return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
 
     def _free_unpublished(self, h: int, info: ClassInfo, live, gone) -> None:
-        """While we unpublished, a live process claimed a block of slab h first (it replaced or deleted the
-        block's entry under the shard lock): that block is its own now, and it may keep it for reuse
-        without a class lock (kept.py), so the slab stays. The blocks we did unpublish are freed one by
-        one. No new claim can follow: no entry names a block of this slab any more, and we hold its
-        class lock."""
+        """Slab h stays: while we unpublished, a live process claimed a block of it first (it replaced or
+        deleted the block's entry under the shard lock; the block is its own now, and it may keep it for
+        reuse without a class lock, kept.py), or a value of it did not move and was not to be evicted.
+        The blocks whose entries we removed or switched to a copy are freed one by one: no entry names
+        them, and we hold the class lock, so no claim on them can follow."""
         unit = self.slabs.geo.unit_size
         end = h * unit + info.bps * info.block
         for (_, off, word), unpublished in zip(live, gone):

@@ -143,6 +143,49 @@ class SlabTable:
         self.add_used(info.cid, -n)
         self.partial_push(info.cid, h)
 
+    def usable_partial(self, h: int, info: ClassInfo) -> bool:
+        """Is h a HEAD of this class, on the partial list, with the class's extent and shape?"""
+        if h >= self.geo.n_units:
+            return False
+        s = self.geo.slab_entry(h)
+        mm = self.mm
+        state, cid = self.state_and_cls(h)
+        return (state == UNIT_HEAD and cid == info.cid and h + info.k <= self.geo.n_units
+                and bool(mm[s + SLAB_INPARTIAL]) and get32(mm, s + SLAB_NBLOCKS) == info.bps
+                and (info.k == 1 or ((self.states[h + 1:h + info.k] == UNIT_TAIL).all()
+                                     and (self.clsfield[h + 1:h + info.k] == h).all())))
+
+    def take_free(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
+        """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
+        base = h * self.geo.unit_size
+        nfree = self.nfree(h)
+        if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
+            bm = self.bitmap(h)
+            free_bits = ~bm & ((1 << info.bps) - 1)
+            got = 0
+            while free_bits and got < want:
+                low = free_bits & -free_bits
+                free_bits ^= low
+                bm |= low
+                pending.append(base + (low.bit_length() - 1) * info.block)
+                got += 1
+            if got:
+                self.set_bitmap(h, bm)
+        else:
+            bits = np.unpackbits(np.frombuffer(self.bitmap(h).to_bytes(32, "little"), np.uint8), bitorder="little")
+            free = np.flatnonzero(bits[:info.bps] == 0)[:want]
+            got = len(free)
+            if got:
+                bits[free] = 1
+                self.set_bitmap(h, int.from_bytes(np.packbits(bits, bitorder="little").tobytes(), "little"))
+                pending += (base + free * info.block).tolist()
+        nfree = 0 if got == 0 else max(0, nfree - got)  # no free bit: the count was stale
+        self.set_nfree(h, nfree)
+        self.add_used(info.cid, got)
+        if nfree == 0:
+            self.partial_remove(info.cid, h)
+        self.mm[self.geo.slab_entry(h) + SLAB_REF] = 1
+
     # ---------------------------------------------------------------- class counters and partial list (CLASS held)
     def add_used(self, cid: int, delta: int) -> None:
         o = self.geo.class_entry(cid) + CLS_USED

@@ -32,6 +32,16 @@ def _member(a: np.ndarray, sorted_values: np.ndarray) -> np.ndarray:
     return sorted_values[pos] == a
 
 
+def _replace_entry(mm, e: int, word: int, offset: int) -> None:
+    """Point the entry at file offset e at another block of its key: the offset, then the word. A reader
+    pairing the old word with the new offset fails block validation: a miss. A death in between leaves
+    the torn entry shard repair completes (FORMAT.md section 9)."""
+    store_u64(mm, e + ENTRY_OFFSET_OFF, offset)
+    if _cp.ARMED is not None:
+        _cp.hit("index.mid_replace")
+    store_u64(mm, e + ENTRY_WORD_OFF, word)
+
+
 _HALVES = struct.Struct("<QQ")  # a digest as its two little-endian u64 halves (shard, home slot)
 
 
@@ -221,10 +231,8 @@ class Index:
 
     def put(self, shard: int, d: bytes, word: int, offset: int, on_replace=None):
         """Insert or replace; return the replaced (word, offset) or None. Caller keeps load < limit.
-
-        `on_replace(word, offset)` runs before an existing entry is overwritten
-        (the writer claims the old block there, so a crash never orphans it).
-        """
+        `on_replace(word, offset)` runs before an existing entry is overwritten (the writer claims the old
+        block there, so a crash never orphans it)."""
         found, pos = self._find_pos(shard, d)
         if pos is None:  # impossible below the load limit: the shard's entries or its count are damaged
             raise CorruptPoolError(f"index shard {shard} has no empty slot: the pool is damaged; "
@@ -240,12 +248,15 @@ class Index:
                 _cp.hit("index.mid_insert")
             self._set_count(shard, self.count(shard) + 1)
             return None
-        # A reader pairing the old word with the new offset fails block validation: a miss.
-        store_u64(self.mm, e + ENTRY_OFFSET_OFF, offset)
-        if _cp.ARMED is not None:
-            _cp.hit("index.mid_replace")
-        store_u64(self.mm, e + ENTRY_WORD_OFF, word)
+        _replace_entry(self.mm, e, word, offset)
         return found
+
+    def repoint(self, shard: int, d: bytes, word: int, offset: int, new_word: int, new_offset: int) -> bool:
+        """If d's entry names (word, offset), point it at (new_word, new_offset); whether it did."""
+        found, pos = self._find_pos(shard, d)
+        if found == (word, offset):
+            _replace_entry(self.mm, self.entry_off(shard, pos), new_word, new_offset)
+        return found == (word, offset)
 
     def remove(self, shard: int, d: bytes, offset: int | None = None, word: int | None = None):
         """Remove the entry for d (only if it names offset/word when given); return (word, offset) or None."""
@@ -379,10 +390,8 @@ class Index:
         mm[eh:eh + ENTRY_SIZE] = _ZERO_ENTRY
 
     def clock_victim(self, shard: int, is_referenced, is_pinned=None):
-        """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset).
-
-        When every entry stays referenced for two sweeps, the first one not `is_pinned` is taken.
-        """
+        """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset). When every
+        entry stays referenced for two sweeps, the first one not `is_pinned` is taken."""
         hdr = self.off_hdr + shard * SHARD_HEADER
         count, hand = SHARD_STRUCT.unpack_from(self.mm, hdr)
         hand &= self.mask

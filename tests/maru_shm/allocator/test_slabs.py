@@ -248,8 +248,8 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     b_size = next(b for b in sizes if b >= 200 * KiB)
     ia, n = _fill_one_class(s, a_size, "a")
     ib = s.alloc.class_for(b_size)
-    assert list(s.alloc.donors(ib)) == [ia.cid], "a class without a slab must get one"
-    assert not len(s.alloc.donors(ia))
+    assert list(s.alloc.donors(ib).evict) == [ia.cid], "a class without a slab must get one"
+    assert not len(s.alloc.donors(ia).evict) and not len(s.alloc.donors(ia).relocate)
     b_puts = written = 0
     while written < 4 * s.geo.data_bytes:
         kb = f"b{b_puts}"
@@ -269,40 +269,40 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
 
 
 def test_the_move_rule_balances_retention_with_a_margin(open_store):
-    """`donors`: a class without a slab may take one from every class that has one. Otherwise class d gives
-    class c a slab only while d, after giving it, still keeps its values at least 1 + MOVE_MARGIN times as
-    long as c after taking it (retention: slab units / decayed demand); so a move never makes c a donor
-    of d in turn. A class whose demand has decayed to nothing gives."""
-    from maru_shm.allocator.demand import MOVE_MARGIN
+    """`donors`: a class without a slab may take one from every class that has one. Otherwise, with
+    retention = slab units / decayed demand, class d may give class c a slab whose values all move to d's
+    free blocks if the shorter retention of the two after the move is at least 1 + RELOCATE_GAIN times c's
+    now; and any slab (evicting) only if d after giving keeps its values 1 + MOVE_MARGIN times as long as c
+    after taking. Neither makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
+    from maru_shm.allocator.demand import MOVE_MARGIN, RELOCATE_GAIN
     from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     ia, _ = _fill_one_class(s, next(b for b in sizes if b >= 100 * KiB), "a")
     ib = s.alloc.class_for(next(b for b in sizes if b >= 200 * KiB))
-    assert list(s.alloc.donors(ib)) == [ia.cid]
+    assert [list(x) for x in s.alloc.donors(ib)] == [[ia.cid], [ia.cid]]
     assert s.put("b0", make_value("b0", 1, ib.block))  # takes a window of A's slabs
     nslabs = s.alloc.cls_nslabs
     assert nslabs[ib.cid] == 1
     ua, ub = float(nslabs[ia.cid] * ia.k), float(nslabs[ib.cid] * ib.k)
     (epoch,) = U32.unpack_from(s.mm, DEMAND_EPOCH_OFF)
 
-    def demand(info, value):
-        U64.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND, int(value))
-        U32.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND_EPOCH, epoch)
+    def donors_at(dem_a, dem_b):
+        for info, value in ((ia, dem_a), (ib, dem_b)):
+            U64.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND, int(value))
+            U32.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND_EPOCH, epoch)
+        assert not len(s.alloc.donors(ia).relocate) and not len(s.alloc.donors(ia).evict), "B gave to A"
+        return [list(x) for x in s.alloc.donors(ib)]
 
-    demand(ia, ua * 1000)  # demand in proportion to the slabs: equal retention, nobody gives
-    demand(ib, ub * 1000)
-    assert not len(s.alloc.donors(ib)) and not len(s.alloc.donors(ia))
+    assert donors_at(ua * 1000, ub * 1000) == [[], []]  # demand in proportion to the slabs
     giver = (ua - ia.k) / (ua * 1000)  # A's retention after giving a slab
-    bound = (1 + MOVE_MARGIN) * (ub + ib.k) / giver  # B's demand at which B's retention after taking one
-    demand(ib, bound * 1.02)  # is 1 / (1 + MOVE_MARGIN) of A's: just past it A gives, just short of it not
-    assert list(s.alloc.donors(ib)) == [ia.cid]
-    assert not len(s.alloc.donors(ia)), "the taker never becomes the giver's donor"
-    demand(ib, bound * 0.98)
-    assert not len(s.alloc.donors(ib))
-    demand(ia, 0)  # A idle: its values stay for ever, it gives whatever B's demand
-    demand(ib, 1)
-    assert list(s.alloc.donors(ib)) == [ia.cid]
+    to_relocate = (1 + RELOCATE_GAIN) * ub / giver  # B's demand past which B's retention now is that short
+    to_evict = (1 + MOVE_MARGIN) * (ub + ib.k) / giver  # ... and past which B's after taking one is
+    assert donors_at(ua * 1000, to_relocate * 0.99) == [[], []]
+    assert donors_at(ua * 1000, to_relocate * 1.01) == [[ia.cid], []]
+    assert donors_at(ua * 1000, to_evict * 0.99) == [[ia.cid], []]
+    assert donors_at(ua * 1000, to_evict * 1.01) == [[ia.cid], [ia.cid]]
+    assert donors_at(0, 1) == [[ia.cid], [ia.cid]]  # A idle: it keeps its values for ever, and gives
     assert_clean(s)
 
 
