@@ -6,10 +6,11 @@ blocks (block CLOCK, blockclock.py) when none may. This module decides and never
 
 The rule balances *retention*: a class's slab bytes over its decayed demand, how long a value written
 there now stays, in units of the pool's write volume. Pages of one request land in several classes in
-fixed proportions, so a request survives only while its class with the shortest retention keeps it;
-equal retention makes every class let a request go at the same time. The pool's first fill already
-hands out units in proportion to demand; a move evicts a whole window of slabs whose values belong to
-many requests, so moves pay only for a real shift of demand, never for noise.
+fixed proportions, so a request survives only while its class with the shortest retention keeps it. A
+move whose values all fit in free blocks of their class elsewhere evicts nothing (relocation.py): it is
+made whenever it lengthens the shorter retention of the pair by RELOCATE_GAIN. A move that evicts takes
+a window of values of many requests, each then doomed, so it is made only for a real shift of demand
+(MOVE_MARGIN), never for noise.
 """
 
 from __future__ import annotations
