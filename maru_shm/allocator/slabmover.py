@@ -52,7 +52,8 @@ class SlabMover:
         mm, slabs = self.slabs.mm, self.slabs
         n, k = self.slabs.geo.n_units, info.k
         if not may_evict:
-            donors = {c for c in donors if self._spare_slab(c)}
+            every = range(len(self.class_table.classes)) if donors is None else donors
+            donors = {c for c in every if self._spare_slab(c)}
         if k > n or (donors is not None and not donors):
             return None
         (hand,) = U32.unpack_from(mm, SLAB_HAND_OFF)
@@ -142,8 +143,8 @@ class SlabMover:
         the slab.
         """
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
-        live, lengths = self._live_blocks(slabs)
-        relocated = self._relocate(slabs, live, lengths)
+        live, lengths, where = self._live_blocks(slabs)
+        relocated = self._relocate(slabs, live, lengths, where)
         gone = np.zeros(len(live), dtype=bool)
         rest = np.flatnonzero(~relocated) if may_evict else np.zeros(0, dtype=np.int64)
         if len(rest):
@@ -155,14 +156,15 @@ class SlabMover:
         if evicted and self.relations.enabled:
             self._doom([(off, word) for (_, off, word), g in zip(live, gone.tolist()) if g])
         unindexed = relocated | gone  # blocks whose entries we removed or switched to a copy
-        settled = np.ones(len(slabs), dtype=bool) if may_evict else self._all_moved(slabs, live, relocated)
         moved = 0
-        for (h, info), words, ok in zip(slabs, before, settled.tolist()):
-            if ok and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
+        for s, ((h, info), words) in enumerate(zip(slabs, before)):
+            mine = where == s
+            settled = may_evict or bool(relocated[mine].all())  # without may_evict: every value moved
+            if settled and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
             else:
-                self._free_unpublished(h, info, live, unindexed.tolist())
+                self._free_unindexed(h, info, [live[j] for j in np.flatnonzero(mine & unindexed)])
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                         orphans_freed=len(rest) - evicted)
 
@@ -175,32 +177,17 @@ class SlabMover:
             need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
-    def _relocate(self, slabs, live: list, lengths: list) -> np.ndarray:
+    def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray) -> np.ndarray:
         """Move what fits of the live values (per class) out of the slabs; the mask of those moved."""
         moved = np.zeros(len(live), dtype=bool)
-        if not live:
-            return moved
         leaving = {h for h, _ in slabs}
-        unit = self.slabs.geo.unit_size
         by_class: dict[int, tuple[ClassInfo, list[int]]] = {}
-        for h, info in slabs:
-            end = h * unit + info.bps * info.block
-            mine = [j for j, (_, off, _) in enumerate(live) if h * unit <= off < end]
-            by_class.setdefault(info.cid, (info, []))[1].extend(mine)
+        for s, (_, info) in enumerate(slabs):
+            by_class.setdefault(info.cid, (info, []))[1].extend(np.flatnonzero(where == s).tolist())
         for info, js in by_class.values():
-            if js and self.relocator.room(info, leaving):
+            if js:
                 moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)
         return moved
-
-    def _all_moved(self, slabs, live: list, relocated: np.ndarray) -> np.ndarray:
-        """Per slab: did every live value of it move?"""
-        unit = self.slabs.geo.unit_size
-        offs = np.array([off for _, off, _ in live], dtype=np.int64)
-        out = np.ones(len(slabs), dtype=bool)
-        for i, (h, info) in enumerate(slabs):
-            inside = (offs >= h * unit) & (offs < h * unit + info.bps * info.block)
-            out[i] = bool(relocated[inside].all())
-        return out
 
     def _doom(self, blocks) -> None:
         """The window's evicted values strand what depends on them: doom their segments (relations.py)."""
@@ -210,32 +197,32 @@ class SlabMover:
             self.relations.doom(rows[valid], np.zeros(int(valid.sum()), dtype=bool))
 
     def _live_blocks(self, slabs):
-        """(digest, offset, word) and length of every LIVE block of the slabs."""
-        live, lengths = [], []
+        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs."""
+        live, lengths, where = [], [], []
         unit = self.slabs.geo.unit_size
-        for h, info in slabs:
+        for s, (h, info) in enumerate(slabs):
             for i in range(info.bps):
                 off = h * unit + i * info.block
                 word, d, length, _, _ = self.metas.read(off)
                 if word & 3 == LIVE:
                     live.append((d, off, word))
                     lengths.append(length)
-        return live, lengths
+                    where.append(s)
+        return live, lengths, np.array(where, dtype=np.int64)
 
     def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
         """The granules where the blocks of slab h start (their block metas)."""
         return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
 
-    def _free_unpublished(self, h: int, info: ClassInfo, live, gone) -> None:
+    def _free_unindexed(self, h: int, info: ClassInfo, blocks) -> None:
         """Slab h stays: while we unpublished, a live process claimed a block of it first (it replaced or
         deleted the block's entry under the shard lock; the block is its own now, and it may keep it for
         reuse without a class lock, kept.py), or a value of it did not move and was not to be evicted.
         The blocks whose entries we removed or switched to a copy are freed one by one: no entry names
         them, and we hold the class lock, so no claim on them can follow."""
         unit = self.slabs.geo.unit_size
-        end = h * unit + info.bps * info.block
-        for (_, off, word), unpublished in zip(live, gone):
-            if unpublished and h * unit <= off < end and self.metas.word(self.metas.meta_off(off)) == word:
+        for _, off, word in blocks:
+            if self.metas.word(self.metas.meta_off(off)) == word:
                 self.release.free_block(h, info, (off - h * unit) // info.block, off)
 
     def _return_units(self, h: int, info: ClassInfo) -> None:
