@@ -7,8 +7,8 @@ passes. RESERVED, FREE, owned and pinned blocks are skipped.
 Where the blocks under the hand carry relation records (relations.py), the choice within each chunk the
 hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones segment by
 segment, deepest first, so a chain loses its tail before its head; each victim's segment is then doomed for
-the other classes. `evict_blocks(stranded_only=True)` searches a small class whole for stranded values and
-leaves the hand where it is.
+the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
+slabs at a time, and leaves the hand where it is.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from .release import BlockRelease
 from .slabtable import SlabTable
 
 
-# Blocks: a class up to this size is searched whole for stranded values before a slab move or a CLOCK victim
-# (8192 blocks of 128 KiB pages: a 1 GiB class; one search gathers 64 bytes a block). A larger class finds its
-# stranded values near its hand only.
+# Blocks: one search for stranded values reads at most this many blocks of a class (whole slabs, at least one;
+# 8192 blocks of 128 KiB pages: a 1 GiB class). A larger class is searched in windows, each search going on
+# from where this process's last one ended (its *lap*); its records are read 8 bytes a block, its metas only
+# where a doom names the record.
 STRANDED_SCAN = 8192
 
 
@@ -34,14 +35,18 @@ class BlockClock:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
         self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
         self.relations = relations
-        # class id -> doom cursor at this process's last search of the whole class that took every stranded
-        # value it found. A value is stranded only by a doom pushed after its record was written (a writer of
-        # a segment born stranded pushes one too), so from then on only newer dooms strand values there.
+        # class id -> doom cursor at the start of this process's last lap over the whole class whose every
+        # window took each stranded value it found. A value is stranded only by a doom pushed after its record
+        # was written (a writer of a segment born stranded pushes one too), so from then on only newer dooms
+        # strand values there.
         self._searched_at: dict[int, int] = {}
+        # class id -> (head unit of the last slab searched, doom cursor when the lap began): a lap under way.
+        self._lap: dict[int, tuple[int, int]] = {}
 
     def evict_blocks(self, info: ClassInfo, m: int, stranded_only: bool = False) -> int:
         """CLASS[c] held: evict up to m blocks of the class chosen by its block CLOCK; returns blocks freed.
-        stranded_only: only values a doom has stranded, searched over the whole class (relations.py).
+        stranded_only: only values a doom has stranded, searched for in the class's next window of slabs
+        (relations.py, `_stranded_window`).
 
         The victims are unpublished in one round of their shard locks (CLASS -> SHARD is the lock order),
         then freed: word bumped first, so a reader that found the entry before it went fails its second
@@ -55,9 +60,7 @@ class BlockClock:
         if m <= 0 or not len(heads):
             return 0
         if stranded_only:
-            ring, rows, related = self._stranded_anywhere(info, heads, m, since)
-            if len(ring) < m and self.searchable(info, len(heads)):
-                self._searched_at[info.cid] = cursor
+            ring, rows, related = self._stranded_window(info, heads, m, since, cursor)
         else:
             ring, rows, related = self._sweep(info, heads, m)
         if not len(ring):
@@ -136,20 +139,37 @@ class BlockClock:
         owner, ref, pinned = BlockMetas.columns(q)
         return g, q, ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
 
-    def searchable(self, info: ClassInfo, nslabs: int) -> bool:
-        """Is a class of this many slabs worth searching whole for stranded values: small enough, and one
-        that values with records were written into (MaruStorage's namespace record has none)?"""
-        return 0 < nslabs * info.bps <= STRANDED_SCAN and self.relations.in_class(info.cid)
+    def searchable(self, info: ClassInfo) -> bool:
+        """Is the class worth searching for stranded values: one that values with records were written into
+        (MaruStorage's namespace record has none)?"""
+        return self.relations.in_class(info.cid)
 
-    def _stranded_anywhere(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None):
-        """Up to m stranded values anywhere in the class (a ring of at most STRANDED_SCAN blocks; the hand
-        stays): the pages of a request whose partner another class evicted are rarely near this class's hand.
-        Only by dooms pushed from cursor `since` on, if given: the class was searched whole up to it.
+    def _stranded_window(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, cursor: int):
+        """Up to m stranded values in the class's next window of slabs (the hand stays): the pages of a request
+        whose partner another class evicted are rarely near this class's hand. Only by dooms pushed from
+        cursor `since` on, if given. A window that yields fewer than m is done, and the next search goes on
+        after it; the last window of a lap records the cursor its lap began at as `since`.
         (ring positions, meta rows, (records, stranded through the parent)) as _sweep."""
+        if not self.searchable(info):
+            return np.zeros(0, dtype=np.int64), None, None
+        cid, per = info.cid, max(1, STRANDED_SCAN // info.bps)
+        last, began = self._lap.get(cid, (-1, cursor))
+        j = int(np.searchsorted(heads, last, side="right"))
+        if j in (0, len(heads)):  # a lap begins at the first slab
+            j, began = 0, cursor
+        k = min(len(heads), j + per)
+        out = self._stranded_in(info, heads, m, since, np.arange(j * info.bps, k * info.bps, dtype=np.int64))
+        if len(out[0]) < m:
+            if k == len(heads):
+                self._searched_at[cid] = began
+                self._lap.pop(cid, None)
+            else:
+                self._lap[cid] = (int(heads[k - 1]), began)
+        return out
+
+    def _stranded_in(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, ring: np.ndarray):
+        """Up to m stranded values among these ring positions (_stranded_window's result)."""
         none = np.zeros(0, dtype=np.int64), None, None
-        if not self.searchable(info, len(heads)):
-            return none
-        ring = np.arange(len(heads) * info.bps, dtype=np.int64)
         # Records first (16 bytes a block): only a block whose group or parent a doom names is read further.
         g = self._granules(info, heads, ring)
         ring = ring[self.relations.named(g, since)]

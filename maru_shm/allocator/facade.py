@@ -117,15 +117,15 @@ class Allocator:
 
         Called by a writer whose allocation pushed dooms, holding no lock: a request whose page one class
         evicted then leaves every pool at once, and the other classes' next writes find free blocks instead
-        of evicting further requests' pages. Classes larger than STRANDED_SCAN blocks are left to their own
-        evictions (which take stranded values first)."""
+        of evicting further requests' pages. A class larger than STRANDED_SCAN blocks gives up one window
+        of slabs a round (blockclock.py); its next searches go on from there."""
         freed = 0
         nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
         for _ in range(RECLAIM_ROUNDS):
             cursor = self.relations.cursor()
             for cid in self.relations.related_classes().tolist():
                 info = self.class_table.info(cid)
-                if info is None or not self.clock.searchable(info, int(nslabs[cid])):
+                if info is None or not nslabs[cid]:
                     continue
                 with self.locks.class_lock(info.cid):
                     freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)

@@ -91,8 +91,8 @@ def test_a_class_searched_whole_is_searched_again_only_after_a_doom(open_store, 
     alloc = s.att.alloc
     info = alloc.head_of(s.reader.lookup(key_digest(keys[0])).offset)[1]
     searches = []
-    search = alloc.clock._stranded_anywhere
-    alloc.clock._stranded_anywhere = lambda *a: searches.append(a[-1]) or search(*a)
+    search = alloc.clock._stranded_in
+    alloc.clock._stranded_in = lambda *a: searches.append(a[3]) or search(*a)
 
     def reclaim():
         with alloc.locks.class_lock(info.cid):
@@ -125,7 +125,7 @@ def test_one_reclaim_frees_a_doomed_segment_and_all_its_descendants(open_store):
     assert s.batch_exists(turns[0]) == [True] * 4 + [False] * 2
     assert not any(any(s.batch_exists(t)) for t in turns[1:])
     assert s.batch_exists(early) == [True] * 3 and s.batch_exists(other) == [True] * 4
-    assert alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    assert alloc.clock.searchable(info)
     assert_clean(s)
 
 
@@ -149,13 +149,13 @@ def test_only_a_class_written_with_records_is_searched_whole(open_store):
     info = alloc.head_of(s.reader.lookup(key_digest(plain[0])).offset)[1]
     related = lambda: U32.unpack_from(s.mm, s.geo.class_entry(info.cid) + CLS_RELATED)[0]  # noqa: E731
     searched = []
-    search = alloc.clock._stranded_anywhere
-    alloc.clock._stranded_anywhere = lambda *a: searched.append(a[0].cid) or search(*a)
+    search = alloc.clock._stranded_in
+    alloc.clock._stranded_in = lambda *a: searched.append(a[0].cid) or search(*a)
     s.doom_segment(5)
-    assert related() == 0 and not alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    assert related() == 0 and not alloc.clock.searchable(info)
     assert alloc.reclaim_stranded() == 0 and info.cid not in searched
     keys = _put_chain(s, "c", 6, 64 * KiB, True, group=5)  # same class, with records: marked
-    assert related() == 1 and alloc.clock.searchable(info, len(alloc.class_slabs(info.cid)))
+    assert related() == 1 and alloc.clock.searchable(info)
     s.doom_segment(5)
     assert alloc.reclaim_stranded() == 6 and info.cid in searched
     assert s.batch_exists(keys) == [False] * 6 and s.batch_exists(plain) == [True] * 4
@@ -308,4 +308,63 @@ def test_a_pool_made_without_relations_still_works(open_store):
         _put_chain(s, f"o{c}", 8, 64 * KiB, True, group=c + 1)
     assert s.stats()["evictions"] > 0
     assert s.relation_of(key_digest("o39-0")) == (0, 0)
+    assert_clean(s)
+
+
+def test_a_class_larger_than_one_search_is_searched_in_windows(open_store, monkeypatch):
+    """A class of more blocks than one search reads (STRANDED_SCAN) is searched a window of slabs at a time,
+    each search going on after the last: the segments a doom strands in every slab are all freed after
+    one lap, and a lap that took everything it found is not repeated until a new doom."""
+    from maru_shm.allocator import blockclock
+    s = open_store("32M")
+    alloc = s.att.alloc
+    turns = [_put_chain(s, f"t{t}", 8, 64 * KiB, True, group=t + 1, parent=t, branch=7) for t in range(40)]
+    info = alloc.head_of(s.reader.lookup(key_digest(turns[0][0])).offset)[1]
+    nslabs = len(alloc.class_slabs(info.cid))
+    assert nslabs >= 4 and s.stats()["evictions"] == 0
+    monkeypatch.setattr(blockclock, "STRANDED_SCAN", info.bps)  # one slab a search
+    windows = []
+    search = alloc.clock._stranded_in
+    alloc.clock._stranded_in = lambda *a: windows.append((int(a[4][0]), len(a[4]))) or search(*a)
+    rows, valid = alloc.relations.of(*_records_at(s, turns[0][7:8]))
+    alloc.relations.doom(rows, np.zeros(1, dtype=bool))  # the first turn's last page was evicted
+
+    def reclaim():
+        with alloc.locks.class_lock(info.cid):
+            return alloc.clock.evict_blocks(info, 1 << 20, stranded_only=True)
+    freed = [reclaim() for _ in range(nslabs)]
+    assert windows == [(j * info.bps, info.bps) for j in range(nslabs)]  # one slab each, in order, once
+    assert sum(freed) == 1 + 39 * 8 and 0 < freed[0] < sum(freed)  # every turn after the doomed page
+    assert s.batch_exists(turns[0]) == [True] * 7 + [False]
+    assert not any(any(s.batch_exists(t)) for t in turns[1:])
+    # Freeing stranded values dooms their segments: one more lap, which finds nothing and dooms nothing.
+    assert [reclaim() for _ in range(nslabs)] == [0] * nslabs and len(windows) == 2 * nslabs
+    assert reclaim() == 0 and len(windows) == 2 * nslabs  # no search until a new doom
+    s.doom_segment(12345)
+    assert reclaim() == 0 and windows[-1] == (0, info.bps)  # a new lap, from the first slab
+    assert_clean(s)
+
+
+def test_a_window_that_fills_the_request_is_searched_again(open_store, monkeypatch):
+    """A search asked for m values that finds m in its window stays on that window (more may be there); it
+    goes on to the next window only after one that yielded fewer than asked."""
+    from maru_shm.allocator import blockclock
+    s = open_store("32M")
+    alloc = s.att.alloc
+    keys = _put_chain(s, "w", 40, 64 * KiB, True, group=3)
+    info = alloc.head_of(s.reader.lookup(key_digest(keys[0])).offset)[1]
+    monkeypatch.setattr(blockclock, "STRANDED_SCAN", info.bps)
+    s.doom_segment(3)
+    windows = []
+    search = alloc.clock._stranded_in
+    alloc.clock._stranded_in = lambda *a: windows.append(int(a[4][0])) or search(*a)
+    got = []
+    with alloc.locks.class_lock(info.cid):
+        for _ in range(200):
+            got.append(alloc.clock.evict_blocks(info, 1, stranded_only=True))
+            if len(windows) < len(got):
+                break  # not searched: a lap took all it found and no doom came since
+    assert sum(got) == 40 and not any(s.batch_exists(keys))
+    for i in range(len(windows) - 1):
+        assert (windows[i + 1] == windows[i]) == (got[i] == 1), (i, windows, got)
     assert_clean(s)
