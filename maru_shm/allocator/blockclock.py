@@ -6,8 +6,9 @@ passes. RESERVED, FREE, owned and pinned blocks are skipped.
 
 Where the blocks under the hand carry relation records (relations.py), the choice within each chunk the
 hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones segment by
-segment, deepest first, so a chain loses its tail before its head; each victim's segment is then doomed for
-the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
+segment, deepest first, so a chain loses its tail before its head, and the values of root segments last of
+all: a root's doom strands every chain under it. Each victim's segment is then doomed for the other
+classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
 slabs at a time, and leaves the hand where it is.
 """
 
@@ -190,9 +191,8 @@ class BlockClock:
         """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
 
         Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
-        stranded values first, then unreferenced ones segment by segment in the order the plain CLOCK
-        meets them, each segment tail first; the records of the related victims go to `related` for the
-        doom.
+        stranded values first, then unreferenced ones in `_victim_order`; the records of the related
+        victims go to `related` for the doom.
         """
         rel = self.relations
         rows = valid = None
@@ -206,7 +206,7 @@ class BlockClock:
             return victims, chosen
         by_group, by_parent = rel.stranded(rows, valid, since)
         stranded = eligible & (by_group | by_parent)
-        plain = _tail_first(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
+        plain = _victim_order(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
         victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
         chosen = np.zeros(len(g), dtype=bool)
         chosen[victims] = True
@@ -248,9 +248,15 @@ class BlockClock:
 
 
 
-def _tail_first(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Candidates (chunk positions, ring order) reordered: by segment, in the order of each segment's first
-    candidate, and deepest first within a segment. A value without a record is a segment of its own."""
+def _victim_order(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Unreferenced candidates (chunk positions, ring order) reordered: the values of root segments (a record
+    without parent) after all others; then segment by segment, in the order of each segment's first
+    candidate, and deepest first within a segment. A value without a record is a segment of its own, not a
+    root: a pool without records is evicted exactly as by the plain CLOCK.
+
+    A root segment is a chain's first (a system prompt, a conversation's first turn): a doom of one of its
+    pages strands every segment branching at or after it, whole conversations in every class. Exact LRU
+    takes a root only after everything under it; here a root waits for a chunk with nothing else to give."""
     if not len(plain):
         return plain
     ok = valid[plain]
@@ -258,4 +264,5 @@ def _tail_first(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.nd
     _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
     seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
     depth = np.where(ok, (rows["depth"][plain] & DEPTH_MAX).astype(np.int64), 0)
-    return plain[np.lexsort((-depth, seg))]
+    root = ok & (rows["parent"][plain] == 0)
+    return plain[np.lexsort((-depth, seg, root))]
