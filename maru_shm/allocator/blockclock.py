@@ -171,7 +171,8 @@ class BlockClock:
     def _stranded_in(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, ring: np.ndarray):
         """Up to m stranded values among these ring positions (_stranded_window's result)."""
         none = np.zeros(0, dtype=np.int64), None, None
-        # Records first (16 bytes a block): only a block whose group or parent a doom names is read further.
+        # Records first (their first 8 bytes: group and parent): only a block whose group or parent a doom
+        # names is read further.
         g = self._granules(info, heads, ring)
         ring = ring[self.relations.named(g, since)]
         if not len(ring):
