@@ -55,8 +55,8 @@ class BlockClock:
         """
         if stranded_only:
             since, cursor = self._searched_at.get(info.cid), self.relations.cursor()
-            if not self.relations.doomed_any() or since == cursor:
-                return 0  # no doom was ever pushed, or none since our last search of this class came up short
+            if not self.relations.doomed_any() or since == cursor or not self.searchable(info):
+                return 0  # no doom was ever pushed, none since our last lap of this class, or no record in it
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
             return 0
@@ -151,8 +151,6 @@ class BlockClock:
         cursor `since` on, if given. A window that yields fewer than m is done, and the next search goes on
         after it; the last window of a lap records the cursor its lap began at as `since`.
         (ring positions, meta rows, (records, stranded through the parent)) as _sweep."""
-        if not self.searchable(info):
-            return np.zeros(0, dtype=np.int64), None, None
         cid, per = info.cid, max(1, STRANDED_SCAN // info.bps)
         last, began = self._lap.get(cid, (-1, cursor))
         j = int(np.searchsorted(heads, last, side="right"))
