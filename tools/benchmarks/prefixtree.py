@@ -257,22 +257,31 @@ class HostCache:
             items.popitem(last=False)
 
 
-def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3) -> dict:
-    """Pages served from L3 over the second half (and asked of it), and usable / live payload samples."""
+def visits(trace: Trace, sglang_like: bool, seed: int = 3):
+    """The requests as a replay serves them: (index, prompt, answer, leading pages its instance holds in
+    host memory). L3 is asked for the rest of the prompt; the instance takes in the whole chain after the
+    caller has handled the request. The routing and the host caches do not depend on L3."""
     rng = random.Random(seed)
     hosts = [HostCache(max(trace.shape.max_context, int(trace.pages * HOST_SHARE))) for _ in range(INSTANCES)]
-    keys, n = trace.keys, len(trace.requests)
-    half = n // 2
-    sample_at = {half + (n - half) * (i + 1) // SAMPLES - 1 for i in range(SAMPLES)}
-    served = asked = 0
-    usable, live = [], []
     for i, (c, prompt, out) in enumerate(trace.requests):
         host = None
         if sglang_like:
             home = c % INSTANCES if rng.random() < STICKY else rng.randrange(INSTANCES)
             host = hosts[home]
+        yield i, prompt, out, host.held(prompt) if host is not None else 0
+        if host is not None:
+            host.insert(prompt + out)
+
+
+def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3) -> dict:
+    """Pages served from L3 over the second half (and asked of it), and usable / live payload samples."""
+    keys, n = trace.keys, len(trace.requests)
+    half = n // 2
+    sample_at = {half + (n - half) * (i + 1) // SAMPLES - 1 for i in range(SAMPLES)}
+    served = asked = 0
+    usable, live = [], []
+    for i, prompt, out, h in visits(trace, sglang_like, seed):
         chain = [keys[p] for p in prompt]
-        h = host.held(prompt) if host is not None else 0
         m = 0
         if h < len(chain):
             m = tier.exists(chain[h:], chain[:h])
@@ -281,8 +290,6 @@ def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed:
         full = chain + [keys[p] for p in out]
         if h + m < len(full):
             tier.set(full[h + m:], full[:h + m])
-        if host is not None:
-            host.insert(prompt + out)
         if i >= half:
             served += m
             asked += len(chain) - h
