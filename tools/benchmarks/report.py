@@ -73,6 +73,8 @@ def render(results: list[dict]) -> str:
             lines += render_eviction(r)
         elif r["scenario"] == "prefixtree":
             lines += render_prefixtree(r)
+        elif r["scenario"] == "prefixbounds":
+            lines += render_prefixbounds(r)
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
     return "\n".join(lines)
@@ -197,6 +199,17 @@ def render_prefixtree(r: dict) -> list[str]:
             gap = f", gap won {v['gap_share']:+.2f}" if v.get("gap_goal") else ""
             out.append(f"prefixtree mean over seeds {','.join(map(str, by_seed))}: {name} {key}: ours / LRU "
                        f"x{v['vs_lru']:.3f}{gap}, usable/live {v['usable_live']:.3f} (lowest {v['usable_live_min']:.3f})")
+    return out
+
+
+def render_prefixbounds(r: dict) -> list[str]:
+    out = []
+    for seed, b in r["by_seed"].items():
+        for run in b["runs"].values():
+            p, g = run["pages"], run["gap_share"]
+            shares = ", ".join(f"{name.replace('_', ' ')} {g[name]:+.2f}" for name in p if name not in ("lru", "unbounded"))
+            out.append(f"prefixbounds seed {seed} {run['replay']:<6} {run['ratio']:g}x: pages LRU {p['lru']:,} / "
+                       f"unbounded {p['unbounded']:,}; gap won: {shares}")
     return out
 
 
