@@ -144,9 +144,10 @@ class SlabMover:
         """
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        relocated = self._relocate(slabs, live, lengths, where)
+        dead = self._stranded(live)
+        relocated = self._relocate(slabs, live, lengths, where, dead)
         gone = np.zeros(len(live), dtype=bool)
-        rest = np.flatnonzero(~relocated) if may_evict else np.zeros(0, dtype=np.int64)
+        rest = np.flatnonzero(~relocated & (dead | may_evict))
         if len(rest):
             halves = np.frombuffer(b"".join([live[j][0] for j in rest]), dtype="<u8").reshape(-1, 2)
             gone[rest] = self.host.unpublish_many(halves, np.array([live[j][1] for j in rest], dtype=np.uint64),
@@ -159,7 +160,7 @@ class SlabMover:
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
             mine = where == s
-            settled = may_evict or bool(relocated[mine].all())  # without may_evict: every value moved
+            settled = may_evict or bool((relocated | gone)[mine].all())  # without may_evict: all moved or dead
             if settled and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
@@ -177,13 +178,26 @@ class SlabMover:
             need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
-    def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray) -> np.ndarray:
-        """Move what fits of the live values (per class) out of the slabs; the mask of those moved."""
+    def _stranded(self, live: list) -> np.ndarray:
+        """Mask of the live values a doom has stranded (relations.py): a move frees them and never carries
+        them. Carried, one could land in a window that this process's search for stranded values has passed
+        in its current lap (blockclock.py), and wait there for the hand (FORMAT.md section 6a)."""
+        out = np.zeros(len(live), dtype=bool)
+        if not live or not self.relations.doomed_any():
+            return out
+        g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
+        rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
+        by_group, by_parent = self.relations.stranded(rows, valid)
+        return valid & (by_group | by_parent)
+
+    def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray, dead: np.ndarray) -> np.ndarray:
+        """Move what fits of the live values (per class) out of the slabs, but for the `dead` ones; the mask of
+        those moved."""
         moved = np.zeros(len(live), dtype=bool)
         leaving = {h for h, _ in slabs}
         by_class: dict[int, tuple[ClassInfo, list[int]]] = {}
         for s, (_, info) in enumerate(slabs):
-            by_class.setdefault(info.cid, (info, []))[1].extend(np.flatnonzero(where == s).tolist())
+            by_class.setdefault(info.cid, (info, []))[1].extend(np.flatnonzero((where == s) & ~dead).tolist())
         for info, js in by_class.values():
             if js:
                 moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)

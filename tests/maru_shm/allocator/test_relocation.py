@@ -61,6 +61,30 @@ def test_a_slab_move_relocates_what_fits_and_evicts_nothing(open_store):
     assert_clean(s)
 
 
+def test_a_move_frees_stranded_values_and_carries_only_the_others(open_store):
+    """A value a doom has stranded can serve no hit: a move frees it instead of copying it, so it cannot land
+    in a window the search for stranded values has already passed (FORMAT.md 6a). The others move as before."""
+    s = open_store("16M")
+    small, other = _sizes(s)
+    _, alive, _ = _full_with_holes(s, small)
+    n = len(alive) + len(alive) // 3 + 1
+    doomed = {f"a{i}" for i in range(n) if (i // 16) % 2 == 0}  # every other group of 16 (group = start + 1)
+    for start in range(0, n, 32):
+        s.doom_segment(start + 1)
+    offsets = {k: s.index.find(key_digest(k))[1] for k in alive}
+    for i in range(3):
+        assert s.put(f"b{i}", make_value(f"b{i}", 1, other))
+    assert s.stats()["slab_moves"] >= 1
+    where = {k: s.index.find(key_digest(k)) for k in alive}
+    dead = [k for k in alive if k in doomed]
+    assert all(where[k] is None or where[k][1] == offsets[k] for k in dead), "a stranded value was carried"
+    assert any(where[k] is None for k in dead), "no stranded value was in the window: the test proves nothing"
+    kept = [k for k in alive if k not in doomed]
+    assert all(s.get(k) == make_value(k, 1, small) for k in kept), "a value with a future was evicted"
+    assert any(where[k][1] != offsets[k] for k in kept), "nothing moved: the test did not exercise relocation"
+    assert_clean(s)
+
+
 def test_an_entry_that_changed_before_the_switch_keeps_its_block_and_the_copy_is_freed(open_store):
     """The entry switch is conditional: an entry that no longer names the block the mover copied (a writer
     replaced or deleted the key meanwhile, under the shard lock) is left as it is, and the mover frees its
