@@ -32,8 +32,11 @@ DEMAND_EPOCH_DIV = 4
 # forth at the price of evictions.
 MOVE_MARGIN = 0.3
 # A slab whose live values all fit in free blocks of d elsewhere (moved, not evicted) is taken whenever the
-# shorter retention of the two after the move is at least (1 + RELOCATE_GAIN) times the taker's now.
-RELOCATE_GAIN = 0.1
+# shorter retention of the two after the move is at least (1 + RELOCATE_GAIN) times the taker's now. One
+# slab lengthens the taker's retention by 1 / its slabs, so this also bounds the takers to classes of at
+# most 1 / RELOCATE_GAIN slabs. A class longer-lived than the shortest holds its excess as free blocks
+# (its requests' pages elsewhere leave first, and dooms free its own): moving them costs only a copy.
+RELOCATE_GAIN = 0.03
 
 
 class Donors(NamedTuple):
