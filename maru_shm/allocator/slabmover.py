@@ -144,7 +144,7 @@ class SlabMover:
         """
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        dead = self._stranded(live)
+        dead, orphaned = self._stranded(live)
         relocated = self._relocate(slabs, live, lengths, where, dead)
         gone = np.zeros(len(live), dtype=bool)
         rest = np.flatnonzero(~relocated & (dead | may_evict))
@@ -155,7 +155,7 @@ class SlabMover:
         evicted = int(gone.sum())
         evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g)
         if evicted and self.relations.enabled:
-            self._doom([(off, word) for (_, off, word), g in zip(live, gone.tolist()) if g])
+            self._doom([(off, word) for (_, off, word), g in zip(live, gone.tolist()) if g], orphaned[gone])
         unindexed = relocated | gone  # blocks whose entries we removed or switched to a copy
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
@@ -178,17 +178,18 @@ class SlabMover:
             need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
-    def _stranded(self, live: list) -> np.ndarray:
-        """Mask of the live values a doom has stranded (relations.py): a move frees them and never carries
-        them. Carried, one could land in a window that this process's search for stranded values has passed
-        in its current lap (blockclock.py), and wait there for the hand (FORMAT.md section 6a)."""
-        out = np.zeros(len(live), dtype=bool)
+    def _stranded(self, live: list):
+        """Masks of the live values a doom has stranded (relations.py), and of those stranded through their
+        parent: a move frees them and never carries them. Carried, one could land in a window that this
+        process's search for stranded values has passed in its current lap (blockclock.py), and wait there
+        for the hand (FORMAT.md section 6a)."""
+        none = np.zeros(len(live), dtype=bool)
         if not live or not self.relations.doomed_any():
-            return out
+            return none, none
         g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
         rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
         by_group, by_parent = self.relations.stranded(rows, valid)
-        return valid & (by_group | by_parent)
+        return valid & (by_group | by_parent), valid & by_parent
 
     def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray, dead: np.ndarray) -> np.ndarray:
         """Move what fits of the live values (per class) out of the slabs, but for the `dead` ones; the mask of
@@ -203,12 +204,13 @@ class SlabMover:
                 moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)
         return moved
 
-    def _doom(self, blocks) -> None:
-        """The window's evicted values strand what depends on them: doom their segments (relations.py)."""
+    def _doom(self, blocks, orphaned: np.ndarray) -> None:
+        """The window's evicted values strand what depends on them: doom their segments (relations.py), whole
+        for a value that was itself stranded through its parent (`orphaned`)."""
         g = np.array([off for off, _ in blocks], dtype=np.int64) >> self.metas.shift
         rows, valid = self.relations.of(g, np.array([w for _, w in blocks], dtype=np.uint64))
         if valid.any():
-            self.relations.doom(rows[valid], np.zeros(int(valid.sum()), dtype=bool))
+            self.relations.doom(rows[valid], orphaned[valid])
 
     def _live_blocks(self, slabs):
         """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs."""

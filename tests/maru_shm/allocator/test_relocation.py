@@ -17,15 +17,16 @@ from ...conftest import assert_clean, make_value
 KiB = 1 << 10
 
 
-def _full_with_holes(s, size: int):
+def _full_with_holes(s, size: int, parent: int = 0):
     """Fill the pool with one class (no free unit), then delete every fourth value: the class's slabs are
-    three quarters full. Returns (class, surviving keys, deleted keys)."""
+    three quarters full. Segments of 16 values continue segment `parent`. Returns (class, surviving keys,
+    deleted keys)."""
     info = s.alloc.class_for(size)
     n = s.geo.n_units // info.k * info.bps
     keys = [f"a{i}" for i in range(n)]
     for start in range(0, n, 16):
         part = keys[start:start + 16]
-        rel = chain_relations(len(part), group=start + 1)
+        rel = chain_relations(len(part), group=start + 1, parent=parent)
         bufs = [np.frombuffer(make_value(k, 1, size), dtype=np.uint8) for k in part]
         assert all(s.batch_put_pieces(part, [[(b.ctypes.data, len(b))] for b in bufs], relations=rel))
     assert s.alloc.find_free_run(info.k) is None
@@ -82,6 +83,22 @@ def test_a_move_frees_stranded_values_and_carries_only_the_others(open_store):
     kept = [k for k in alive if k not in doomed]
     assert all(s.get(k) == make_value(k, 1, small) for k in kept), "a value with a future was evicted"
     assert any(where[k][1] != offsets[k] for k in kept), "nothing moved: the test did not exercise relocation"
+    assert_clean(s)
+
+
+def test_a_move_dooms_a_value_stranded_through_its_parent_with_its_whole_segment(open_store):
+    """As the block CLOCK does: a value stranded through its parent dooms its segment from position 0, so
+    every segment continuing it is stranded, wherever it branched."""
+    s = open_store("16M")
+    small, other = _sizes(s)
+    _full_with_holes(s, small, parent=999)
+    s.doom_segment(999)  # every value of the class is now stranded through its parent
+    rel, whole = s.alloc.relations, []
+    real = rel.doom
+    rel.doom = lambda rows, by_parent: whole.append(bool(by_parent.all())) or real(rows, by_parent)
+    assert s.put("b0", make_value("b0", 1, other))
+    assert s.stats()["slab_moves"] >= 1 and whole, "no move doomed anything: the test proves nothing"
+    assert whole[0], "the move doomed a stranded value's segment from its own position only"
     assert_clean(s)
 
 
