@@ -144,7 +144,8 @@ class SlabMover:
         """
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        dead, orphaned = self._stranded(live)
+        rows, valid = self._records(live)
+        dead, orphaned = self._stranded(rows, valid)
         relocated = self._relocate(slabs, live, lengths, where, dead)
         gone = np.zeros(len(live), dtype=bool)
         rest = np.flatnonzero(~relocated & (dead | may_evict))
@@ -154,8 +155,9 @@ class SlabMover:
                                                   np.array([live[j][2] for j in rest], dtype=np.uint64))
         evicted = int(gone.sum())
         evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g)
-        if evicted and self.relations.enabled:
-            self._doom([(off, word) for (_, off, word), g in zip(live, gone.tolist()) if g], orphaned[gone])
+        doomed = gone & valid
+        if doomed.any():  # the window's evicted values strand what depends on them (relations.py)
+            self.relations.doom(rows[doomed], orphaned[doomed])
         unindexed = relocated | gone  # blocks whose entries we removed or switched to a copy
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
@@ -178,16 +180,23 @@ class SlabMover:
             need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
-    def _stranded(self, live: list):
-        """Masks of the live values a doom has stranded (relations.py), and of those stranded through their
-        parent: a move frees them and never carries them. Carried, one could land in a window that this
-        process's search for stranded values has passed in its current lap (blockclock.py), and wait there
-        for the hand (FORMAT.md section 6a)."""
-        none = np.zeros(len(live), dtype=bool)
-        if not live or not self.relations.doomed_any():
-            return none, none
+    def _records(self, live: list):
+        """The live values' relation records and the mask of those that apply (relations.py), read once: for
+        what a move may carry and for the dooms of what it evicts. (None, all False) without records."""
+        if not live or not self.relations.enabled:
+            return None, np.zeros(len(live), dtype=bool)
         g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
-        rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
+        return self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
+
+    def _stranded(self, rows, valid: np.ndarray):
+        """Masks of the values a doom has stranded, and of those stranded through their parent: a move frees
+        them and never carries them, and one stranded through its parent dooms its whole segment, as the
+        block CLOCK's victims do. Carried, one could land in a window that this process's search for
+        stranded values has passed in its current lap (blockclock.py), and wait there for the hand (FORMAT.md
+        section 6a)."""
+        none = np.zeros(len(valid), dtype=bool)
+        if rows is None or not self.relations.doomed_any():
+            return none, none
         by_group, by_parent = self.relations.stranded(rows, valid)
         return valid & (by_group | by_parent), valid & by_parent
 
@@ -203,14 +212,6 @@ class SlabMover:
             if js:
                 moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)
         return moved
-
-    def _doom(self, blocks, orphaned: np.ndarray) -> None:
-        """The window's evicted values strand what depends on them: doom their segments (relations.py), whole
-        for a value that was itself stranded through its parent (`orphaned`)."""
-        g = np.array([off for off, _ in blocks], dtype=np.int64) >> self.metas.shift
-        rows, valid = self.relations.of(g, np.array([w for _, w in blocks], dtype=np.uint64))
-        if valid.any():
-            self.relations.doom(rows[valid], orphaned[valid])
 
     def _live_blocks(self, slabs):
         """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs."""

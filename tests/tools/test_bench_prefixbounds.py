@@ -49,7 +49,6 @@ def test_a_session_ends_when_its_conversation_begins_again():
             later.setdefault(p, set()).add(i)
     for p, i in ends.items():
         assert max(later[p]) < i  # never used again from its end on
-        assert t.parent[p] != -1 or p not in t.requests[i][1]
     system = {prompt[0] for _, prompt, _ in t.requests}
     assert not system & set(ends)  # the shared system prompt's head never ends
 
@@ -102,9 +101,8 @@ def test_ended_pages_go_first_and_rates_rank_the_live_ones():
 def test_offline_serves_no_less_than_lru_and_the_bounds_render():
     r = bounds(seed=5, sizes=(3.0,), requests=400, conversations=30)
     for run in r["runs"].values():
-        p, g = run["pages"], run["gap_share"]
+        p = run["pages"]
         assert p["lru"] <= p["offline"] <= p["unbounded"]
         assert p["lru"] < p["unbounded"], "the pool must be too small for the trace to say anything"
-        assert g["lru"] == 0.0 and g["unbounded"] == 1.0
     lines = render_prefixbounds({"by_seed": {5: r}})
     assert len(lines) == 2 and "offline" in lines[0]

@@ -175,7 +175,7 @@ class RatesKnown(EndsKnown):
                 self.asks[trace.keys[p]] += 1
 
     def priority(self, k: str) -> tuple:
-        return (self.live(k), self.asks[k], self.touched[k], -self.pid[k])
+        return (self.live(k), self.asks[k]) + PageTier.priority(self, k)
 
 
 class Offline(PageTier):
