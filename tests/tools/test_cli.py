@@ -552,6 +552,17 @@ def test_installed_console_script(pool_path):
     assert_error(run("inspect", pool_path + ".missing", cmd=[str(script)]), "does not exist")
 
 
+def test_python_m_maru_shm_runs_the_cli(pool_path):
+    import importlib.util
+    if importlib.util.find_spec("maru_shm_tools") is None:
+        pytest.skip("maru_shm_tools is not importable (project not pip-installed)")
+    fill(pool_path)
+    r = run("inspect", pool_path, "--json", cmd=[PY, "-m", "maru_shm"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["index"]["entries"] == 220
+    assert_error(run("inspect", pool_path + ".missing", cmd=[PY, "-m", "maru_shm"]), "does not exist")
+
+
 def test_the_install_adds_no_top_level_package_named_tools(tmp_path):
     """The CLI installs as maru_shm_tools: a package called `tools` in site-packages would collide with any
     other project's. Run from an empty directory, so the repository's own folder is not on the path."""
