@@ -40,6 +40,10 @@ on_tty() {  # run a command line under a pseudo-terminal (util-linux script), ou
 m maru-shm --version
 m python -m maru_shm --version
 m maru-shm create "$pool" --size 64M
+m python -c "import sys; from maru_shm import Store
+with Store.open(sys.argv[1]) as s:
+    s.put('k', b'v' * 5000)
+    assert s.get('k') == b'v' * 5000" "$pool" || fail "put/get through the installed maru_shm"
 m maru-shm inspect "$pool" >"$work/inspect.txt" || { cat "$work/inspect.txt"; fail "inspect"; }
 grep -q "Size classes" "$work/inspect.txt" || { cat "$work/inspect.txt"; fail "inspect printed no summary"; }
 m maru-shm inspect "$pool" --json | m python -c "import json, sys; json.load(sys.stdin)" || fail "inspect --json"
@@ -61,4 +65,4 @@ fi
 say "without the sglang extra: $(cat "$work/extra.txt")"
 m maru-shm destroy "$pool"
 [ ! -e "$pool" ] || fail "destroy left $pool"
-say "ok: create, inspect (pipe, --json, terminal), watch (terminal), check, destroy from the wheel"
+say "ok: create, put/get, inspect (pipe, --json, terminal), watch (terminal), check, destroy from the wheel"
