@@ -20,7 +20,7 @@ from .poolview import PoolView, report as pool_report
 from .sizes import format_size, parse_size
 from .store import Store
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package version too: pyproject.toml reads it from here
 
 __all__ = [
     # the store

@@ -1,6 +1,8 @@
 """The architecture, checked: layers import only downward, the allocator and the index never import each
-other, nothing imports in a cycle, and clients use only the public face of maru_shm.
+other, nothing imports in a cycle, the store imports none of its clients, and clients use only the public
+face of maru_shm.
 
+    L5  __main__ (`python -m maru_shm`), the one module that may import a client: it hands over to the CLI
     L4  the Store facade, checks and repair, read-only pool view, administration
     L3  the store's parts: attachment, process table, reaper, counters, the validity rule, read path,
         write path, publication, put batches, batch lookup
@@ -27,6 +29,7 @@ LAYERS = {
     3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",
         "putbatch", "resolve"},
     4: {"store", "check", "checkrules", "livecheck", "poolview", "admin", "__init__"},
+    5: {"__main__"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
 # Benchmarks (tools/benchmarks/) measure internals (lock costs, raw copies) on purpose; every other client
@@ -97,6 +100,16 @@ def test_layers_import_only_downward():
             if LAYER_OF.get(_component(dep), 99) > mine:
                 upward.append(f"{mod} (L{mine}) imports {dep} (L{LAYER_OF.get(_component(dep))})")
     assert not upward, "\n".join(upward)
+
+
+def test_the_store_imports_no_client_but_from_its_entry_module():
+    """maru_shm is the bottom of the stack: the backend and the tools import it, never the other way round.
+    `python -m maru_shm` (__main__) is the one exception, for the command line it runs."""
+    clients = ("maru_sglang", "tools", "maru_shm_tools")
+    bad = [f"{_module_name(path)} imports {m}" for path in _package_files("maru_shm") if path.name != "__main__.py"
+           for m in _imports(path) if m.split(".")[0] in clients]
+    assert not bad, "\n".join(bad)
+    assert "maru_shm_tools.cli" in _imports(ROOT / "maru_shm" / "__main__.py")  # the one exception is real and seen
 
 
 @pytest.mark.parametrize("a, b", [("allocator", "index"), ("index", "allocator")])

@@ -25,6 +25,9 @@ import time
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
 PROG = "maru-shm"
+# The modules that only an extra of pyproject.toml installs, and that extra: a command that imports one of
+# them where it is missing says which extra to install instead of failing as an internal error.
+EXTRA_OF_MODULE = {"sglang": "sglang", "torch": "sglang", "matplotlib": "charts"}
 
 
 class CliError(Exception):
@@ -444,11 +447,16 @@ def _run(fn, command: str, args) -> int:
         rc = EXIT_ERROR
     except KeyboardInterrupt:
         rc = 130
-    except Exception as e:  # a bug: still one line and status 2, unless asked for the traceback
-        if os.environ.get("MARU_SHM_DEBUG"):
+    except Exception as e:  # a missing extra, or a bug: one line and status 2 (a bug's traceback on demand)
+        extra = EXTRA_OF_MODULE.get(e.name) if isinstance(e, ModuleNotFoundError) else None
+        if extra:
+            _warn(f"{command}: needs {e.name}, which is not installed; install maru-shm's [{extra}] extra "
+                  f"(pip install 'maru-shm[{extra}]')")
+        elif os.environ.get("MARU_SHM_DEBUG"):
             raise
-        _warn(f"{command}: internal error: {type(e).__name__}: {_one_line(e)} "
-              "(set MARU_SHM_DEBUG=1 for a traceback)")
+        else:
+            _warn(f"{command}: internal error: {type(e).__name__}: {_one_line(e)} "
+                  "(set MARU_SHM_DEBUG=1 for a traceback)")
         rc = EXIT_ERROR
     try:
         sys.stdout.flush()

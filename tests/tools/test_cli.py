@@ -515,6 +515,31 @@ def test_bench_is_dispatched(monkeypatch, capsys):
     assert "bench is unavailable" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module, extra", [("torch", "sglang"), ("matplotlib", "charts")])
+def test_a_command_missing_an_extra_names_the_extra(monkeypatch, capsys, module, extra):
+    import importlib
+    import types
+
+    from tools import cli
+    fake = types.ModuleType("tools.benchmarks")
+    fake.main = lambda args: importlib.import_module(module)
+    monkeypatch.setitem(sys.modules, "tools.benchmarks", fake)
+    monkeypatch.setitem(sys.modules, module, None)  # as if the extra were not installed
+    monkeypatch.setenv("MARU_SHM_DEBUG", "1")  # a missing extra is not a bug: no traceback even then
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"needs {module}" in err and f"pip install 'maru-shm[{extra}]'" in err, err
+
+
+def test_every_extra_the_cli_names_installs_its_module():
+    import tomllib
+
+    from tools import cli
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for module, extra in cli.EXTRA_OF_MODULE.items():
+        assert module in {re.split(r"[<>=!~;\[ ]", req)[0] for req in extras[extra]}, (module, extra)
+
+
 def test_installed_console_script(pool_path):
     script = Path(sys.executable).parent / "maru-shm"
     if not script.exists():
@@ -525,6 +550,17 @@ def test_installed_console_script(pool_path):
     assert json.loads(r.stdout)["index"]["entries"] == 220
     assert run("check", pool_path, cmd=[str(script)]).returncode == 0
     assert_error(run("inspect", pool_path + ".missing", cmd=[str(script)]), "does not exist")
+
+
+def test_python_m_maru_shm_runs_the_cli(pool_path):
+    import importlib.util
+    if importlib.util.find_spec("maru_shm_tools") is None:
+        pytest.skip("maru_shm_tools is not importable (project not pip-installed)")
+    fill(pool_path)
+    r = run("inspect", pool_path, "--json", cmd=[PY, "-m", "maru_shm"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["index"]["entries"] == 220
+    assert_error(run("inspect", pool_path + ".missing", cmd=[PY, "-m", "maru_shm"]), "does not exist")
 
 
 def test_the_install_adds_no_top_level_package_named_tools(tmp_path):
