@@ -22,10 +22,15 @@ class CheckReport:
     repaired: int = 0
     checked_blocks: int = 0
     checked_entries: int = 0
+    to_reap: list = dataclasses.field(default_factory=list)
 
     def problem(self, msg: str) -> None:
         self.ok = False
         self.problems.append(msg)
+
+    def reapable(self, msg: str) -> None:
+        """What a process that exited left for the next opener to reap (FORMAT.md section 5): not damage."""
+        self.to_reap.append(msg)
 
     def __bool__(self) -> bool:
         return self.ok

@@ -280,10 +280,9 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
         used += 1
         if length > info.block:
             report.problem(f"block at data offset {off}: length {length} exceeds block size {info.block}")
-        alive = bool(owner) and pool.slot_alive(owner)
-        if owner and not alive:
-            report.problem(f"block at data offset {off}: owned by dead process slot {owner - 1}")
-        if state == LIVE and not alive:
+        if owner and not pool.slot_alive(owner):  # the reaper frees it if unpublished, else disowns it
+            report.reapable(f"block at data offset {off}: owned by exited process slot {owner - 1}")
+        elif state == LIVE and not owner:
             unowned.append((off, word, d))
         elif state == RESERVED and not owner:
             report.problem(f"block at data offset {off}: reserved by no process")
@@ -366,7 +365,7 @@ def _report_orphans(pool, locks, report, candidates, named) -> None:
         s = idx.shard_of(d)
         with _Domain(locks, SHARD_LOCK_BASE + s, CheckReport()):
             mword, md, _, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
-            if mword != word or md != d or (owner and pool.slot_alive(owner)) or idx.find(d) == (word, off):
+            if mword != word or md != d or owner or idx.find(d) == (word, off):
                 continue
         report.problem(f"block at data offset {off}: live but not indexed and owned by no live process (orphan)")
 
@@ -378,4 +377,4 @@ def _check_processes(pool, report) -> None:
         if state not in (0, 1):
             report.problem(f"process slot {slot}: invalid state {state}")
         elif state == 1 and not pool.slot_alive(slot + 1):
-            report.problem(f"process slot {slot}: process {pid} is dead and not yet reaped")
+            report.reapable(f"process slot {slot}: process {pid} exited without detaching")

@@ -219,6 +219,9 @@ def cmd_check(args) -> int:
     scope = f"{first.checked_blocks:,} blocks, {first.checked_entries:,} index entries"
     for p in first.problems:
         _print(f"problem: {p}")
+    if first.to_reap:
+        _print(f"note: {len(first.to_reap)} thing(s) left by exited processes, which the next process to open "
+               f"the pool reaps (not damage); the first: {first.to_reap[0]}")
     if first.ok:
         _print(f"{args.path}: ok ({scope})")
     else:

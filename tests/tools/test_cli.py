@@ -669,10 +669,24 @@ def test_check_without_repair_reports_a_dead_holders_damage_and_writes_nothing(p
     before = (digest(pool_path), os.stat(pool_path).st_mtime_ns)
     r = run("check", pool_path)
     assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "left dirty" in r.stdout and "dead and not yet reaped" in r.stdout, r.stdout
+    assert "left dirty" in r.stdout and "exited without detaching" in r.stdout, r.stdout
     assert (digest(pool_path), os.stat(pool_path).st_mtime_ns) == before
     r = run("check", pool_path, "--repair")  # repair does write, and heals it
     assert r.returncode == 0 and "ok after repair" in r.stdout, r.stdout
+
+
+def test_check_after_a_process_exits_without_detaching_is_ok_and_says_what_the_next_opener_reaps(pool_path, helpers):
+    """SGLang ends its schedulers without calling the backend's close(): the slot (and any block it still
+    owned) is the next opener's to reap, so an operator's check after a normal shutdown exits 0 with a note."""
+    fill(pool_path)
+    h = helpers(pool_path)
+    assert h.put(20, 5000) == 20
+    h.kill()
+    r = run("check", pool_path)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert re.search(r"note: \d+ thing\(s\) left by exited processes, which the next process to open the pool "
+                     r"reaps \(not damage\); the first: .*exited", r.stdout), r.stdout
+    assert "problem" not in r.stdout
 
 
 def test_check_lets_writers_work_and_finds_nothing_on_a_busy_healthy_pool(pool_path, helpers):
