@@ -1,143 +1,142 @@
-"""P2P sharing without a GPU: two SGLang instances, one maru_shm pool (the README's main job).
+"""The main job: two real SGLang servers share one maru_shm pool, and the second answers the first's prompt.
 
-Each instance is its own process with SGLang's own HiCache storage stack (tools/sglang_stack.py): the
-HybridCacheController that SGLang's assembler builds from a real ServerArgs, with MaruStorage attached by
-SGLang's `dynamic` backend factory. Instance 1 backs a prompt's KV pages up through the controller's
-backup thread. Instance 2 prefetches the same prompt through the controller's prefetch path (hit query,
-io thread, acks) and checks every byte. Instances with another TP rank, model or KV dtype query the same
-prompt and must hit none of it. The figures printed are the controller's acks and what MaruStorage
-reports to SGLang's StorageMetricsCollector.
+Two `python -m sglang.launch_server` processes (tools/serving.py) with HiCache on and MaruStorage as their
+L3, on one pool file in /dev/shm that whichever starts first creates. Four requests, greedy decoding:
 
-    python -m tools.demo [--pool /dev/shm/maru_shm_demo] [--pages 512] [--page-size 1]
+  a. server 1 serves a long prompt A;
+  b. server 2, its device and host caches cold, serves A: the prefix must come from the pool;
+  c. server 2 serves a cold prompt C of the same length: the recompute time;
+  d. server 2 serves A again after SGLang's /flush_cache and /hicache/storage-backend/clear: the same
+     prompt computed from nothing, the baseline for the tokens.
+
+Pages from L3 are SGLang's own count (cached_tokens_details.storage of each reply). It prints OK when b
+loaded every full page of A before its last token, a, b and d gave the same tokens, TTFT(b) < TTFT(c)
+and `check` finds the pool clean after both servers stop.
+
+    python -m tools.demo [--tokens 2000] [--pool /dev/shm/maru_shm_demo] [--model DIR --device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import sys
 import tempfile
-import time
+from dataclasses import dataclass
 
-def _stack(pool: str, size: str, models: str, pages: int, page_size: int, **kw):
-    from .sglang_stack import LLAMA_8B, Stack
-    return Stack(pool, models, v1=True, tokens=pages * page_size + page_size, page_size=page_size,
-                 geometry=kw.pop("geometry", LLAMA_8B), size=size, **kw)
+from .serving import DEMO_MODEL, Reply, Server, ServerSpec, prompt, wait_until_stored
 
 
-def _prompt(pages: int, page_size: int) -> list[int]:
-    from .sglang_stack import tokens_of
-    return tokens_of(1000, pages, page_size)
+@dataclass
+class FourPrompts:
+    """What the four requests gave, and the pool's state after both servers stopped."""
+
+    replies: dict  # "a".."d" -> Reply
+    full_pages: int  # pages of A that SGLang may take from L3: the last token is always computed
+    page_size: int
+    check: object  # maru_shm CheckReport
+    stats: dict
+
+    @property
+    def b_pages(self) -> int:
+        return self.replies["b"].pages_from_l3(self.page_size)
+
+    @property
+    def same_tokens(self) -> bool:
+        r = self.replies
+        return r["a"].tokens == r["b"].tokens == r["d"].tokens
+
+    @property
+    def ok_without_timing(self) -> bool:
+        r = self.replies
+        return (self.b_pages == self.full_pages and r["d"].pages_from_l3(self.page_size) == 0
+                and self.same_tokens and self.check.ok)
+
+    @property
+    def ok(self) -> bool:
+        return self.ok_without_timing and self.replies["b"].ttft < self.replies["c"].ttft
 
 
-def _bandwidth(metrics: dict, kind: str) -> float:
-    """Mean GB/s over the batches MaruStorage reported to the collector (0 if none)."""
-    n = metrics.get(f"{kind}_bandwidth_count", 0)
-    return metrics.get(f"{kind}_bandwidth_sum", 0) / n if n else 0.0
+def four_prompts(spec: ServerSpec, tokens: int, new_tokens: int = 16, log_dir: str | None = None,
+                 say=lambda msg: None) -> FourPrompts:
+    """Run a-d on two servers of `spec` (spec.pool is the shared pool) and check the pool afterwards."""
+    from maru_shm import check_pool, Store
+    A, C = prompt(1, tokens), prompt(2, tokens)
+    full_pages = (tokens - 1) // spec.page_size
+    replies: dict[str, Reply] = {}
+    say("starting two SGLang servers on the pool ...")
+    with Server(spec, "instance-1", log_dir) as one, Server(spec, "instance-2", log_dir) as two:
+        replies["a"] = one.generate(A, new_tokens)
+        stored = wait_until_stored(spec.pool, full_pages)
+        say(f"a: instance 1 served A; write-through put {stored} pages into the pool")
+        replies["b"] = two.generate(A, new_tokens)
+        replies["c"] = two.generate(C, new_tokens)
+        two.flush_device_and_host()
+        two.clear_l3()
+        replies["d"] = two.generate(A, new_tokens)
+    with Store.open(spec.pool) as store:  # attaching reaps the servers' slots, as any next opener does
+        stats = store.stats()
+    return FourPrompts(replies, full_pages, spec.page_size, check_pool(spec.pool), stats)
 
 
-def writer(pool, size, models, pages, page_size, q):
-    st = _stack(pool, size, models, pages, page_size)
-    tokens = _prompt(pages, page_size)
-    idx = st.alloc(len(tokens))
-    st.fill(idx, seed=1)
-    t = time.perf_counter()
-    _, done = st.backup(idx, tokens)
-    dt = time.perf_counter() - t
-    q.put({"stored": done // page_size, "seconds": dt, "page_bytes": st.backend.page_bytes,
-           "digests": st.page_digests(idx), "metrics": st.metrics()})
-    st.close()
+def _tokens(reply: Reply, ref: Reply | None) -> str:
+    """The first output tokens; for a request of prompt A other than a itself, whether they equal a's."""
+    head = f"{' '.join(map(str, reply.tokens[:6]))} … ({len(reply.tokens)})"
+    if ref is None or reply is ref:
+        return head
+    return head + ("  = a" if reply.tokens == ref.tokens else "  differs from a")
 
 
-def reader(pool, size, models, pages, page_size, q):
-    st = _stack(pool, size, models, pages, page_size)
-    tokens = _prompt(pages, page_size)
-    t = time.perf_counter()
-    hit, loaded, idx = st.prefetch("demo", tokens)
-    dt = time.perf_counter() - t
-    q.put({"hit": hit // page_size, "loaded": loaded // page_size, "seconds": dt,
-           "digests": st.page_digests(idx[:loaded]) if loaded else [], "metrics": st.metrics()})
-    st.close()
-
-
-def stranger(pool, size, models, pages, page_size, label, q):
-    from .sglang_stack import LLAMA_8B, Geometry
-    kw = {"tp rank 1 of 2": dict(tp=(1, 2)),
-          "another model": dict(geometry=Geometry(LLAMA_8B.layers, LLAMA_8B.kv_heads, LLAMA_8B.head_dim,
-                                                  "Qwen/Qwen2.5-7B-Instruct")),
-          "fp16 KV": dict(dtype="float16")}[label]
-    st = _stack(pool, size, models, pages, page_size, **kw)
-    hit, _, _ = st.prefetch("stranger", _prompt(pages, page_size))
-    q.put({label: hit // page_size})
-    st.close()
-
-
-def _run(target, *args, timeout=600):
-    """Run one instance in its own process; its report, or RuntimeError if it died or hung without one."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                return q.get(timeout=1), p.pid
-            except queue.Empty:
-                if not p.is_alive() and q.empty():
-                    raise RuntimeError(f"instance {target.__name__} (pid {p.pid}) died with exit code {p.exitcode}")
-        raise RuntimeError(f"instance {target.__name__} (pid {p.pid}) gave no report in {timeout} s")
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+def report(run: FourPrompts, model_line: str, tokens: int) -> None:
+    r = run.replies
+    rows = [("a", "1", "A", "recompute"), ("b", "2", "A", "from the pool"), ("c", "2", "C", "recompute (cold)"),
+            ("d", "2", "A", "recompute (pool cleared)")]
+    print(f"\n| case | server | prompt | TTFT | pages from L3 | output tokens |")
+    print("|------|--------|--------|------|---------------|---------------|")
+    for case, server, p, what in rows:
+        print(f"| {case} {what} | {server} | {p} ({tokens}) | {r[case].ttft * 1e3:,.0f} ms | "
+              f"{r[case].pages_from_l3(run.page_size)} | {_tokens(r[case], r['a'] if p == 'A' else None)} |")
+    print(f"\n{model_line}")
+    print(f"TTFT recompute / from the pool: {r['c'].ttft / r['b'].ttft:.2f}x  "
+          f"(b loaded {run.b_pages} of A's {run.full_pages} full pages; the last token is always computed)")
+    s = run.stats
+    print(f"pool: {s['entries']} entries, {s['utilization']:.1%} of the file used, {s['evictions']} evictions; "
+          f"check {'clean' if run.check.ok else run.check.problems}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pool", default="/dev/shm/maru_shm_demo")
-    ap.add_argument("--size", default="512M")
-    ap.add_argument("--pages", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--keep", action="store_true", help="keep the pool file afterwards")
+    ap.add_argument("--pool", default="/dev/shm/maru_shm_demo", help="the pool file (created fresh)")
+    ap.add_argument("--size", default="1G", help="pool size")
+    ap.add_argument("--tokens", type=int, default=2000, help="prompt length")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--model", help="a model directory to serve instead of the demo's dummy-weight Llama")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda with a GPU")
+    ap.add_argument("--keep", action="store_true", help="keep the pool file and the server logs")
     a = ap.parse_args(argv)
     if os.path.exists(a.pool):
         os.unlink(a.pool)
-    models = tempfile.mkdtemp(prefix="maru-demo-models-")
-    args = (a.pool, a.size, models, a.pages, a.page_size)
-    print(f"pool {a.pool} ({a.size}); Llama-3.1-8B KV geometry, page_size {a.page_size}, {a.pages} pages; "
-          "each instance: SGLang's HybridCacheController (build_kv_only_stack) + MaruStorage (dynamic factory)")
-    w, wpid = _run(writer, *args)
-    mb = w["metrics"]
-    print(f"instance 1 (pid {wpid}): backup thread stored {w['stored']}/{a.pages} pages of {w['page_bytes']} B "
-          f"in {w['seconds'] * 1e3:.1f} ms; MaruStorage to SGLang's metrics: {int(mb['backup_pgs_sum'])} pages "
-          f"in {int(mb['backup_pgs_count'])} batches, {_bandwidth(mb, 'backup'):.2f} GB/s")
-    r, rpid = _run(reader, *args)
-    mr = r["metrics"]
-    same = sum(x == y for x, y in zip(w["digests"], r["digests"]))
-    print(f"instance 2 (pid {rpid}): hit query {r['hit']}/{a.pages} pages, io thread loaded {r['loaded']} in "
-          f"{r['seconds'] * 1e3:.1f} ms, byte-identical {same}/{r['loaded']}; MaruStorage to SGLang's metrics: "
-          f"{int(mr['prefetch_pgs_sum'])} pages in {int(mr['prefetch_pgs_count'])} batches, "
-          f"{_bandwidth(mr, 'prefetch'):.2f} GB/s")
-    strangers = {}
-    for label in ("tp rank 1 of 2", "another model", "fp16 KV"):
-        res, _ = _run(stranger, *args, label)
-        strangers.update(res)
-        print(f"  instance with {label}: hits {res[label]} of those pages")
-    from maru_shm import Store, format_size
-    with Store.open(a.pool) as s:
-        st = s.stats()
-        chk = s.check()
-    print(f"pool: {st['entries']} entries, {format_size(st['live_bytes'])} live in a {format_size(st['file_bytes'])} "
-          f"file ({st['utilization']:.1%}), {st['evictions']} evictions, check {'clean' if chk.ok else chk.problems}")
-    if not a.keep:
-        os.unlink(a.pool)
-    ok = (w["stored"] == a.pages and r["hit"] == r["loaded"] == a.pages and same == a.pages and chk.ok
-          and not any(strangers.values()))
-    print("P2P sharing: OK" if ok else "P2P sharing: FAILED")
-    return 0 if ok else 1
+    work = tempfile.mkdtemp(prefix="maru-demo-")
+    model_path = a.model or DEMO_MODEL.write(work)
+    model_line = (f"model: {a.model} on {a.device}" if a.model else f"model: {DEMO_MODEL.describe()}")
+    spec = ServerSpec(model_path=model_path, pool=a.pool, pool_size=a.size, device=a.device,
+                      dummy_weights=a.model is None, max_tokens=max(20000, 3 * a.tokens))
+    print(f"pool {a.pool} ({a.size}), page size {spec.page_size} tokens; {model_line}; server logs in {work}")
+    try:
+        run = four_prompts(spec, a.tokens, a.new_tokens, log_dir=work, say=print)
+    finally:
+        if not a.keep and os.path.exists(a.pool):
+            os.unlink(a.pool)
+    report(run, model_line, a.tokens)
+    r = run.replies
+    why = [m for bad, m in [
+        (run.b_pages != run.full_pages, f"b loaded {run.b_pages} pages from the pool, not {run.full_pages}"),
+        (r["d"].pages_from_l3(run.page_size) != 0, "d still found pages in the cleared pool"),
+        (not run.same_tokens, "a, b and d did not give the same tokens"),
+        (r["b"].ttft >= r["c"].ttft, "TTFT(b) was not below TTFT(c)"),
+        (not run.check.ok, "check found problems in the pool")] if bad]
+    print("OK" if not why else "FAIL: " + "; ".join(why))
+    return 0 if not why else 1
 
 
 if __name__ == "__main__":

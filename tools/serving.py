@@ -1,0 +1,242 @@
+"""SGLang servers (`python -m sglang.launch_server`) on one pool: the demo, the end-to-end test and bench.
+
+Each `Server` is SGLang's real HTTP server in its own process group: scheduler, radix cache, HiCache
+(write-through, L3 prefetch with `wait_complete`), model forward, detokenizer. Its L3 is MaruStorage
+(`--hicache-storage-backend dynamic`) or, for comparison, SGLang's own HiCacheFile (`file`).
+
+Without a GPU the model is a `Model`: a directory holding only a Llama `config.json`, served with dummy
+weights and no tokenizer, so requests carry input ids; tools/sglang_cpu.py supplies what SGLang's CPU
+path lacks. With a GPU, `--model` names a real model directory and `--device cuda` serves it as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Model:
+    """A Llama geometry with dummy weights; its KV per token is 2 x layers x kv_heads x head_dim x dtype bytes."""
+
+    name: str = "maru-demo-llama"
+    layers: int = 8
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 8
+    vocab: int = 4096
+    dtype: str = "bfloat16"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * (4 if self.dtype == "float32" else 2)
+
+    def describe(self) -> str:
+        return (f"Llama {self.layers} layers, hidden {self.hidden}, {self.heads} heads ({self.kv_heads} KV), "
+                f"{self.dtype}, dummy weights: {self.kv_bytes_per_token // 1024} KiB of KV per token")
+
+    def write(self, root: str) -> str:
+        path = os.path.join(root, self.name)
+        os.makedirs(path, exist_ok=True)
+        config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
+                  "intermediate_size": self.hidden * 11 // 4, "num_attention_heads": self.heads,
+                  "num_key_value_heads": self.kv_heads, "num_hidden_layers": self.layers, "head_dim": self.head_dim,
+                  "vocab_size": self.vocab, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                  "rope_theta": 10000.0, "torch_dtype": self.dtype, "tie_word_embeddings": False,
+                  "bos_token_id": 1, "eos_token_id": 2}
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+        return path
+
+
+DEMO_MODEL = Model()
+
+
+def maru_extra_config(pool: str, size: str) -> dict:
+    """MaruStorage's extra config as the README gives it."""
+    return {"backend_name": "maru", "module_path": "maru_sglang.maru_storage", "class_name": "MaruStorage",
+            "interface_v1": 1, "hicache_storage_pass_prefix_keys": True, "maru_path": pool, "maru_pool_size": size}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Reply:
+    """One greedy generation: its tokens, time to first token, and what SGLang says it reused."""
+
+    tokens: list[int]
+    ttft: float
+    cached: dict = field(default_factory=dict)  # SGLang's cached_tokens_details: device / host / storage
+
+    def pages_from_l3(self, page_size: int) -> int:
+        return int(self.cached.get("storage", 0)) // page_size
+
+
+@dataclass
+class ServerSpec:
+    model_path: str
+    pool: str | None = None  # None: SGLang's HiCacheFile in file_dir
+    pool_size: str = "1G"
+    file_dir: str | None = None
+    device: str = "cpu"
+    page_size: int = 16
+    max_tokens: int = 20000  # the device KV pool
+    dummy_weights: bool = True
+    extra_args: tuple = ()
+
+    def argv(self, port: int) -> list[str]:
+        backend = (["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                    json.dumps(maru_extra_config(self.pool, self.pool_size))] if self.pool is not None
+                   else ["--hicache-storage-backend", "file"])
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
+                "--port", str(port), "--device", self.device, "--page-size", str(self.page_size),
+                "--max-total-tokens", str(self.max_tokens), "--random-seed", "1", "--skip-server-warmup",
+                "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-write-policy", "write_through",
+                "--hicache-mem-layout", "page_first_direct", "--hicache-storage-prefetch-policy", "wait_complete",
+                *backend, "--log-level", "warning"]
+        if self.dummy_weights:
+            argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+        if self.device == "cpu":
+            argv += ["--hicache-io-backend", "direct", "--sleep-on-idle"]
+        return argv + list(self.extra_args)
+
+    def env(self) -> dict:
+        env = dict(os.environ)
+        if self.device == "cpu":
+            from .sglang_cpu import engine_env
+            env = engine_env(env)
+        if self.file_dir is not None:
+            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.file_dir
+        return env
+
+
+class Server:
+    """One SGLang server process (its own process group) and a small client for it."""
+
+    def __init__(self, spec: ServerSpec, name: str, log_dir: str | None = None, start_timeout: float = 300):
+        self.spec, self.name = spec, name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir or tempfile.gettempdir(), f"sglang-{name}-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(spec.argv(self.port), env=spec.env(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready(start_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode} while starting; "
+                                   f"its log, {self.log_path}, ends:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server {self.name} not ready in {timeout:.0f} s; its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-n:]
+
+    def _post(self, path: str, body: dict | None = None, timeout: float = 600):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        return urllib.request.urlopen(req, timeout=timeout)
+
+    def generate(self, input_ids: list[int], max_new_tokens: int = 16, timeout: float = 600) -> Reply:
+        """Greedy decoding, streamed: TTFT is the time from sending the request to its first token."""
+        body = {"input_ids": input_ids, "stream": True,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        t0 = time.perf_counter()
+        ttft, last = None, None
+        with self._post("/generate", body, timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if ttft is None and chunk.get("output_ids"):
+                    ttft = time.perf_counter() - t0
+                last = chunk
+        if last is None or ttft is None:
+            raise RuntimeError(f"server {self.name} streamed no tokens; its log ends:\n{self.log_tail()}")
+        meta = last.get("meta_info", {})
+        return Reply(tokens=list(last["output_ids"]), ttft=ttft, cached=dict(meta.get("cached_tokens_details") or {}))
+
+    def flush_device_and_host(self) -> None:
+        """SGLang's /flush_cache: the radix tree, the device KV and the host (L2) pool; the L3 stays."""
+        with self._post("/flush_cache") as r:
+            r.read()
+
+    def clear_l3(self) -> None:
+        """SGLang's /hicache/storage-backend/clear: the storage backend's clear()."""
+        with self._post("/hicache/storage-backend/clear") as r:
+            r.read()
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM to the server's process group (SGLang's own shutdown), SIGKILL if it lingers."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # any child SGLang left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def prompt(seed: int, length: int, vocab: int = DEMO_MODEL.vocab) -> list[int]:
+    """A reproducible prompt of `length` token ids (ids 0-2 are left out: they may be special)."""
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def wait_until_stored(pool: str, entries: int, timeout: float = 120) -> int:
+    """Wait until the pool holds at least `entries` values (write-through reaches L3 after the reply)."""
+    from maru_shm import Store
+    deadline = time.monotonic() + timeout
+    with Store.open(pool) as store:
+        while True:
+            n = store.stats()["entries"]
+            if n >= entries or time.monotonic() > deadline:
+                return n
+            time.sleep(0.1)
