@@ -91,7 +91,7 @@ def report(run: FourPrompts, model_line: str, tokens: int) -> None:
     r = run.replies
     rows = [("a", "1", "A", "recompute"), ("b", "2", "A", "from the pool"), ("c", "2", "C", "recompute (cold)"),
             ("d", "2", "A", "recompute (pool cleared)")]
-    print(f"\n| case | server | prompt | TTFT | pages from L3 | output tokens |")
+    print("\n| case | server | prompt | TTFT | pages from L3 | output tokens |")
     print("|------|--------|--------|------|---------------|---------------|")
     for case, server, p, what in rows:
         print(f"| {case} {what} | {server} | {p} ({tokens}) | {r[case].ttft * 1e3:,.0f} ms | "

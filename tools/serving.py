@@ -167,7 +167,11 @@ class Server:
     def _post(self, path: str, body: dict | None = None, timeout: float = 600):
         req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
-        return urllib.request.urlopen(req, timeout=timeout)
+        try:
+            return urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"server {self.name}: POST {path}: {e.code} {e.reason}: "
+                               f"{e.read().decode(errors='replace')[:1000]}") from None
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 16, timeout: float = 600) -> Reply:
         """Greedy decoding, streamed: TTFT is the time from sending the request to its first token."""
@@ -189,10 +193,20 @@ class Server:
         meta = last.get("meta_info", {})
         return Reply(tokens=list(last["output_ids"]), ttft=ttft, cached=dict(meta.get("cached_tokens_details") or {}))
 
-    def flush_device_and_host(self) -> None:
-        """SGLang's /flush_cache: the radix tree, the device KV and the host (L2) pool; the L3 stays."""
-        with self._post("/flush_cache") as r:
-            r.read()
+    def flush_device_and_host(self, timeout: float = 60) -> None:
+        """SGLang's /flush_cache: the radix tree, the device KV and the host (L2) pool; the L3 stays.
+
+        SGLang refuses a flush (400) while a request or a write-through is still in flight: retry."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with self._post("/flush_cache") as r:
+                    r.read()
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def clear_l3(self) -> None:
         """SGLang's /hicache/storage-backend/clear: the storage backend's clear()."""

@@ -77,6 +77,8 @@ def render(results: list[dict]) -> str:
             lines += render_prefixbounds(r)
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
+        elif r["scenario"] == "e2e":
+            lines += render_e2e(r)
     return "\n".join(lines)
 
 
@@ -110,6 +112,18 @@ def render_tier2(r: dict) -> list[str]:
             f"{g['file_get']:,.0f} pages/s (tier x{r['tier_vs_file']:.2f}, local x{r['local_vs_file']:.1f})",
             f"tier2     batch_set_v1 with write-through {g['tier_set']:,.0f} pages/s vs the pool alone "
             f"{g['local_set']:,.0f} pages/s (x{1 / r['write_through_cost']:.2f})"]
+
+
+def render_e2e(r: dict) -> list[str]:
+    if r.get("skipped"):
+        return [f"e2e       skipped: {r['skipped']}"]
+    out = [f"e2e       SGLang launch_server x2 per backend, {r['model']}; TTFT median over the run's prompts"]
+    for n, row in r["lengths"].items():
+        out.append(f"e2e       {n:>6} tokens: recompute {row['recompute_s'] * 1e3:,.0f} ms, L3 hit MaruStorage "
+                   f"{row['maru_hit_s'] * 1e3:,.0f} ms (x{row['recompute_s'] / row['maru_hit_s']:.2f}), HiCacheFile "
+                   f"{row['file_hit_s'] * 1e3:,.0f} ms (x{row['recompute_s'] / row['file_hit_s']:.2f}); pages from "
+                   f"L3 {row['maru_pages']} / {row['file_pages']} of {row['full_pages']}")
+    return out
 
 
 def render_eviction(r: dict) -> list[str]:

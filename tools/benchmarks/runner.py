@@ -30,6 +30,10 @@ Scenarios (all by default; pick with --only):
             loopback: pages/s of a second-tier hit (with promotion), a local
             pool hit and HiCacheFile; write-through vs the pool alone. Skipped
             with the reason where mooncake cannot be imported.
+  e2e       SGLang's real serving loop (two launch_server processes per
+            backend): time to first token at 512, 2048 and 8192 tokens for
+            recompute, an L3 hit from MaruStorage and one from HiCacheFile on
+            /dev/shm. Takes several minutes on a CPU.
 The machine is shared and noisy: timed figures are the median of --repeat
 runs, with the spread (min-max) printed next to them. While it runs, a
 progress line goes to stderr when stderr is a terminal (never with --json).
@@ -46,13 +50,13 @@ import os
 import sys
 import time
 
-from . import capacity, datapath, eviction, hybrid, lookup, mixed, ops, prefixbounds, prefixtree, scaling, tier2
+from . import capacity, datapath, e2e, eviction, hybrid, lookup, mixed, ops, prefixbounds, prefixtree, scaling, tier2
 from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
 SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, prefixtree, prefixbounds, scaling,
-                    tier2)
+                    tier2, e2e)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -72,6 +76,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     g.add_argument("--prefixtree-seeds", default=[11], type=_seed_list,
                    help="seeds of the conversation trace, comma separated (default 11); with several, each seed's "
                         "figures and their means (the figures move with the seed, see BENCHMARKS.md)")
+    g = p.add_argument_group("e2e")
+    g.add_argument("--e2e-lengths", default=[512, 2048, 8192], type=_int_list,
+                   help="prompt lengths in tokens (default 512,2048,8192)")
+    g.add_argument("--e2e-model", help="a model directory to serve (default: the demo's dummy-weight Llama)")
+    g.add_argument("--e2e-device", default="cpu", help="cpu, or cuda with a GPU")
     g = p.add_argument_group("scaling")
     g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
     g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
