@@ -95,7 +95,7 @@ class SlabMover:
             for h in heads:
                 c = self.slabs.cls(h)
                 cinfo = self.class_table.info(c)
-                if cinfo is None or h + cinfo.k > self.slabs.geo.n_units or (donors is not None and c not in donors):
+                if cinfo is None or not self.slabs.geo.slab_fits(h, cinfo.k) or (donors is not None and c not in donors):
                     return False
                 if c != my_cid and c not in locked:
                     dirty = self.locks.try_class(c)
