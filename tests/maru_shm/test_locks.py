@@ -634,3 +634,29 @@ def test_an_interrupt_at_any_line_of_the_lock_layer_leaves_no_lock_held(open_sto
         report = again.check()
         # a lock whose section was cut keeps its dirty mark until its next holder repairs it, by design
         assert [p for p in report.problems if "left dirty" not in p] == [], report.problems
+
+
+def test_a_repair_cut_short_leaves_every_domain_dirty(open_store, pool_path, monkeypatch):
+    """Bug: check(repair=True) released every lock it held clean whatever ended it: an exception inside the
+    repair (KeyboardInterrupt) cleared the dirty mark of a domain a dead holder had left, unrepaired."""
+    import maru_shm.check as check_mod
+
+    s = open_store("4M")
+    lock_id = SHARD_LOCK_BASE + 3
+    rec = s.geo.off_locks + lock_id * LOCK_RECORD.size
+    with pytest.raises(ZeroDivisionError):
+        with s.locks.hold(lock_id):
+            1 / 0  # the section's mark stays, as after a holder that died in it
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0
+
+    def interrupted(store, classes):
+        raise KeyboardInterrupt("inside the repair")
+    monkeypatch.setattr(check_mod, "_repair_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.check(repair=True)
+    assert _a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0
+    calls = []
+    with s.locks.hold(lock_id, repair=lambda: calls.append(1)):
+        pass
+    assert calls == [1]  # the next holder repairs it
