@@ -34,6 +34,17 @@ def check_host_indices(host_pool, host_indices, n: int, name: str = "host pool")
         raise ValueError(f"{name}: host indices outside its {int(size)} slots (pages of {run})")
 
 
+def host_indices_fit(host_pool, host_indices, n: int, refused) -> bool:
+    """check_host_indices for a call that must not raise: False, and `refused(error)`, if the indices do not fit.
+    The v1 calls ask it before anything moves, so that a refused call reaches neither the pool nor the second tier."""
+    try:
+        check_host_indices(host_pool, host_indices, n)
+        return True
+    except Exception as e:  # (a host_indices that is not an index array at all is refused the same way)
+        refused(e)
+        return False
+
+
 def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | None = None,
                 name: str = "host pool") -> np.ndarray:
     """(n, per, 2) int64 array of [address, nbytes] rows: the pieces of n pages, in the pool's order.
