@@ -224,10 +224,10 @@ class LockTable:
             raise
 
     def _drop(self, fd: int, held: set, ids) -> None:
-        """Unlock sorted ids on this thread's description and forget them, records untouched: a record
-        marked dirty stays so (its next holder repairs: extra work, never a wrong repair), a clean one was
-        cleaned by a section that had finished. Unlocking an id not held is a no-op, so this is safe after
-        an exception anywhere in a take or a release."""
+        """Unlock sorted ids on this thread's description and forget them, records untouched: a marked
+        record stays dirty (its next holder repairs: extra work, never a wrong repair), a clean one stays
+        clean (a section that finished, or a take cut short before it marked). Unlocking an id not held is
+        a no-op, so this is safe after an exception anywhere in a take or a release."""
         for first, n in _runs(ids):
             ofd_unlock(fd, first, n)
         held.difference_update(ids)
