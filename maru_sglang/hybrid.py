@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from maru_shm import format_size, prefixed_digests
 
 from .namespace import kv_format_fingerprint, namespace_for
-from .pages import page_pieces, store_pages
+from .pages import check_host_indices, page_pieces, store_pages
 
 logger = logging.getLogger("maru_sglang")
 
@@ -305,6 +305,7 @@ class HybridPools:
         if st.uses_pieces:
             return st.local_set_v1(keys, host_indices, relations) if write else st.local_get_v1(keys, host_indices)
         host, ps = st.mem_pool_host, int(getattr(st.mem_pool_host, "page_size", 1) or 1)
+        check_host_indices(host, host_indices, len(keys))
         out = []
         for i, key in enumerate(keys):
             at = int(host_indices[i * ps].item())

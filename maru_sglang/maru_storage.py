@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any, List, Optional
 
 import numpy as np
@@ -36,7 +37,7 @@ from .config import MaruConfig
 from .hybrid import HybridPools
 from .lineage import Lineage
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
-from .pages import page_pieces, store_pages
+from .pages import host_indices_fit, page_pieces, store_pages
 from .tier2 import SecondTier
 from .twotier import TwoTiers
 
@@ -202,6 +203,8 @@ class MaruStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Load pages into the host pool; True only where the stored value is exactly one page."""
+        if not host_indices_fit(self.mem_pool_host, host_indices, len(keys), partial(self.log_once, "batch_get_v1")):
+            return [False] * len(keys)
         res = self.local_get_v1(keys, host_indices)
         return self.tiers.fill(keys, host_indices, res) if self.tiers is not None and keys else res
 
@@ -221,6 +224,8 @@ class MaruStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
+        if not host_indices_fit(self.mem_pool_host, host_indices, len(keys), partial(self.log_once, "batch_set_v1")):
+            return [False] * len(keys)
         seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
         res = self.local_set_v1(keys, host_indices, self.lineage.records(seg, keys))
         self.lineage.stored(seg)

@@ -12,15 +12,50 @@ from typing import List, Tuple
 import numpy as np
 
 
+def check_host_indices(host_pool, host_indices, n: int, name: str = "host pool") -> None:
+    """Raise ValueError unless `host_indices` are n equal runs, one per page, each inside the host pool.
+
+    A host pool turns an index into a pointer without a bound (`get_page_buffer_meta`): an index at or past
+    its size, or below 0, would store bytes from outside its buffers as a page, or load a page past them.
+    A page's pieces start at its first index, so that index is at most size - run as well. The bound is
+    the pool's `logical_size` (the controller's index space; `size` where it has none); a pool that names
+    neither is not checked. The message names no index, so that a caller repeating it is logged once.
+    """
+    size = getattr(host_pool, "logical_size", None)
+    if size is None:
+        size = getattr(host_pool, "size", None)
+    if n == 0 or size is None:
+        return
+    idx = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices, dtype=np.int64).reshape(-1)
+    if not idx.size or idx.size % n:
+        raise ValueError(f"{name}: {idx.size} host indices for {n} pages")
+    run = idx.size // n
+    if idx.min() < 0 or idx.max() >= size or int(idx[::run].max()) > size - run:
+        raise ValueError(f"{name}: host indices outside its {int(size)} slots (pages of {run})")
+
+
+def host_indices_fit(host_pool, host_indices, n: int, refused) -> bool:
+    """check_host_indices for a call that must not raise: False, and `refused(error)`, if the indices do not fit.
+    The v1 calls ask it before anything moves, so that a refused call reaches neither the pool nor the second tier."""
+    try:
+        check_host_indices(host_pool, host_indices, n)
+        return True
+    except Exception as e:  # (a host_indices that is not an index array at all is refused the same way)
+        refused(e)
+        return False
+
+
 def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | None = None,
                 name: str = "host pool") -> np.ndarray:
     """(n, per, 2) int64 array of [address, nbytes] rows: the pieces of n pages, in the pool's order.
 
-    Raises ValueError if the pool describes another number of pieces, or (with
-    `page_bytes`) another number of bytes, than n pages of this pool have.
+    Raises ValueError if the host indices are not n pages inside the pool (check_host_indices), or if
+    the pool describes another number of pieces, or (with `page_bytes`) another number of bytes, than
+    n pages of this pool have.
     """
     if per == 0:  # a logical anchor (DeepSeek-V4): every page is an empty value
         return np.zeros((n, 0, 2), dtype=np.int64)
+    check_host_indices(host_pool, host_indices, n, name)
     meta = host_pool.get_page_buffer_meta(host_indices)
     if meta is None:
         raise ValueError(f"{name} returned no page pieces")

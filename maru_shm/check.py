@@ -48,6 +48,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
                if c < g.n_geo_classes or U32.unpack_from(store.mm, alloc.geo.class_entry(c))[0] != KIND_UNUSED]
     order = [LOCK_CLASSTAB] + [CLASS_LOCK_BASE + c for c in classes] + [LOCK_POOL] + \
         [SHARD_LOCK_BASE + s for s in range(g.index_shards)]
+    done = False
     try:
         for lock_id in order:
             if locks.acquire(lock_id):
@@ -63,10 +64,13 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
         for p in found.problems:
             report.problem(p)
         report.checked_blocks, report.checked_entries = found.checked_blocks, found.checked_entries
+        done = True
     finally:
         locks.all_held_by = 0
         for lock_id in reversed(held):
-            locks.release(lock_id, clean=repair or lock_id not in dirty)
+            # A repair cut short (an exception, KeyboardInterrupt) may have half rebuilt any domain, or not
+            # reached one a dead holder left dirty: every mark stays, and each domain's next holder repairs it.
+            locks.release(lock_id, clean=done and (repair or lock_id not in dirty))
     return report
 
 

@@ -72,7 +72,7 @@ def bad_heads(store):
         info = alloc.classes[c] if c < len(alloc.classes) else None
         if info is None:
             out.append((h, f"slab at unit {h}: unknown size class {c}"))
-        elif h + info.k > g.n_units:
+        elif not g.slab_fits(h, info.k):
             out.append((h, f"slab at unit {h}: {info.k} units run past the data area"))
         elif covered[h:h + info.k].any():
             out.append((h, f"slab at unit {h}: overlaps another slab"))
@@ -87,7 +87,7 @@ def block_starts(store) -> np.ndarray:
     starts = np.zeros(g.n_granules, dtype=bool)
     for h in np.flatnonzero(alloc.states == UNIT_HEAD).tolist():
         info = alloc.classes[int(alloc.clsfield[h])] if int(alloc.clsfield[h]) < len(alloc.classes) else None
-        if info is None or h + info.k > g.n_units:
+        if info is None or not g.slab_fits(h, info.k):
             continue
         offs = h * g.unit_size + np.arange(info.bps, dtype=np.int64) * info.block
         starts[offs // g.granule] = True

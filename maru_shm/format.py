@@ -229,6 +229,15 @@ class Geometry:
         """File offset of the slab table entry of unit `unit`."""
         return self.off_slabs + unit * SLAB_ENTRY
 
+    def slab_fits(self, head, k: int):
+        """Does a slab of k units at unit `head` (an int, or an array of heads) end inside the data area?
+
+        A HEAD entry is read from the file, so one whose slab runs past the end is damage: every reader of
+        slab heads skips it (check() reports it, `check --repair` drops it); none follows its blocks out of
+        the block metas.
+        """
+        return head + k <= self.n_units
+
     def class_entry(self, cid: int) -> int:
         """File offset of class table entry `cid`."""
         return self.off_classes + cid * CLASS_ENTRY

@@ -194,7 +194,7 @@ def _check_units(pool, report) -> None:
         if info is None:
             report.problem(f"slab at unit {h}: unknown size class {c}")
             continue
-        if h + info.k > g.n_units:
+        if not g.slab_fits(h, info.k):
             report.problem(f"slab at unit {h}: {info.k} units run past the data area")
             continue
         if (covered[h:h + info.k] >= 0).any():

@@ -34,6 +34,7 @@ from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_I
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
 _F_WRLCK, _F_UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
 _YIELDS = 16  # sched_yield rounds before a waiter starts sleeping
+_NONE: frozenset = frozenset()
 
 
 def lock_name(lock_id: int) -> str:
@@ -199,16 +200,37 @@ class LockTable:
     def acquire(self, lock_id: int, *, blocking: bool = True, timeout: float | None = None) -> bool | None:
         """Take the lock; return True if its previous holder left it dirty, None if not blocking and busy.
 
-        Raises LockTimeout when a blocking wait exceeds the timeout.
+        Raises LockTimeout when a blocking wait exceeds the timeout. Whatever raises in here (a timeout,
+        KeyboardInterrupt) leaves the lock not held.
         """
-        timeout = self.timeout if timeout is None else timeout
         fd, held = self._thread_fd()
         if lock_id in held:
             self._not_held(held, (lock_id,))
-        if not self._take_ofd(fd, lock_id, 1, time.monotonic() + timeout, timeout, blocking):
+        return self._take(fd, held, lock_id, blocking, timeout)
+
+    def _take(self, fd: int, held: set, lock_id: int, blocking: bool, timeout: float | None) -> bool | None:
+        """acquire, for a lock this thread does not hold. `held` names the lock before the fcntl that takes
+        it, so it names every lock the thread's description may hold at every bytecode; on any exception the
+        lock is given back (unlocking a lock not taken is harmless) and its record left as it is."""
+        try:
+            held.add(lock_id)
+            timeout = self.timeout if timeout is None else timeout
+            if self._take_ofd(fd, lock_id, 1, time.monotonic() + timeout, timeout, blocking):
+                return self._mark(lock_id)
+            held.discard(lock_id)
             return None
-        held.add(lock_id)
-        return self._mark(lock_id)
+        except BaseException:
+            self._drop(fd, held, [lock_id])
+            raise
+
+    def _drop(self, fd: int, held: set, ids) -> None:
+        """Unlock sorted ids on this thread's description and forget them, records untouched: a marked
+        record stays dirty (its next holder repairs: extra work, never a wrong repair), a clean one stays
+        clean (a section that finished, or a take cut short before it marked). Unlocking an id not held is
+        a no-op, so this is safe after an exception anywhere in a take or a release."""
+        for first, n in _runs(ids):
+            ofd_unlock(fd, first, n)
+        held.difference_update(ids)
 
     def _take_ofd(self, fd: int, lock_id: int, n: int, deadline: float, timeout: float,
                   blocking: bool = True) -> bool:
@@ -248,12 +270,21 @@ class LockTable:
         return holder != 0
 
     def release(self, lock_id: int, *, clean: bool = True) -> None:
-        """Release; with clean=False the dirty mark stays so the next holder repairs."""
-        if clean and lock_id < LOCK_IDS:
-            LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
+        """Release; with clean=False the dirty mark stays so the next holder repairs.
+
+        The record is cleared before the unlock (the next holder must not see our mark) and `held`
+        forgets the lock only after it (it names every lock the description may hold); an exception in
+        between still unlocks.
+        """
         fd, held = self._thread_fd()
-        ofd_unlock(fd, lock_id)
-        held.discard(lock_id)
+        try:
+            if clean and lock_id < LOCK_IDS:
+                LOCK_RECORD.pack_into(self.mm, self.off_records + lock_id * LOCK_RECORD.size, 0, 0)
+            ofd_unlock(fd, lock_id)
+            held.discard(lock_id)
+        except BaseException:
+            self._drop(fd, held, [lock_id])
+            raise
 
     def acquire_many(self, lock_ids, timeout: float | None = None, *, ordered: bool = False) -> list[int]:
         """Take several locks of one family in ascending id order; return the ids left dirty.
@@ -271,20 +302,26 @@ class LockTable:
             raise ValueError("acquire_many takes lock ids that have records")
         if len(ids) == 1:  # the common single-key case: no numpy over the records
             return ids if self.acquire(ids[0], timeout=timeout) else []
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         fd, held = self._thread_fd()
         self._not_held(held, ids)
-        taken: list[tuple[int, int]] = []
+        return self._take_many(fd, held, ids, timeout)
+
+    def _take_many(self, fd: int, held: set, ids: list[int], timeout: float | None) -> list[int]:
+        """acquire_many, for sorted ids (more than one) this thread does not hold; as `_take`, `held` names
+        them all before the first fcntl and every exception gives back all of them."""
         try:
+            held.update(ids)
+            timeout = self.timeout if timeout is None else timeout
+            deadline = time.monotonic() + timeout
             for first, n in _runs(ids):
                 self._take_ofd(fd, first, n, deadline, timeout)
-                taken.append((first, n))
+            return self._mark_many(ids)
         except BaseException:
-            for first, n in taken:
-                ofd_unlock(fd, first, n)
+            self._drop(fd, held, ids)
             raise
-        held.update(ids)
+
+    def _mark_many(self, ids: list[int]) -> list[int]:
+        """_mark for a batch: the ids left dirty, then every record marked ours."""
         recs = self._records()
         if _is_span(ids):  # slices, not gathers
             a, b = ids[0], ids[-1] + 1
@@ -316,15 +353,41 @@ class LockTable:
         if len(ids) == 1:
             self.release(ids[0], clean=clean)
             return
-        if clean:
-            if _is_span(ids):
-                self._records()[ids[0]:ids[-1] + 1, 0] = 0
-            else:
-                self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
         fd, held = self._thread_fd()
-        for first, n in _runs(ids):
-            ofd_unlock(fd, first, n)
-        held.difference_update(ids)
+        try:
+            if clean:
+                if _is_span(ids):
+                    self._records()[ids[0]:ids[-1] + 1, 0] = 0
+                else:
+                    self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+            for first, n in _runs(ids):
+                ofd_unlock(fd, first, n)
+            held.difference_update(ids)
+        except BaseException:
+            self._drop(fd, held, ids)
+            raise
+
+    def held_now(self) -> frozenset:
+        """The lock ids the calling thread holds (or is taking or releasing) now: a public call's entry
+        notes them, and `release_stranded` gives back the others if an exception ends the call."""
+        mine = getattr(self._local, "mine", None)
+        return frozenset(mine.held) if mine is not None and mine.held else _NONE
+
+    def release_stranded(self, before: frozenset) -> None:
+        """Give back what the calling thread holds beyond `before`, leaving the records (dirty ones get
+        repaired), and end a `holds_all` the call began.
+
+        The sections give back their locks on every exception, except one that lands before their own
+        code can run: at the first bytecode of a `__exit__` or of a release, or in check()'s `finally`
+        (KeyboardInterrupt, an exception from a signal handler). The public call it ends runs this on
+        its way out (store.py `_entry`), so no lock outlives the call and the thread can take it again.
+        """
+        if not before and self.all_held_by == threading.get_ident():
+            self.all_held_by = 0
+        mine = getattr(self._local, "mine", None)
+        if mine is None or self._closed or mine.held <= before:
+            return
+        self._drop(mine.fd, mine.held, sorted(mine.held - before))
 
     def hold_many(self, lock_ids, repair_for=None, timeout: float | None = None) -> "_HeldMany":
         """Context manager over acquire_many: `repair_for(id)` runs for each id left dirty, then release_many.
@@ -363,14 +426,21 @@ class _Held:
         self.table, self.lock_id, self.repair, self.timeout = table, lock_id, repair, timeout
 
     def __enter__(self) -> bool:
-        dirty = self.table.acquire(self.lock_id, timeout=self.timeout)
-        if dirty and self.repair is not None:
-            try:
+        # Taken inside the try, so that an exception between the fcntl and the `with` body (which
+        # `__exit__` would not see) gives the lock back; checked outside it, so that a lock this thread
+        # already held is never given back here.
+        table, lock_id = self.table, self.lock_id
+        fd, held = table._thread_fd()
+        if lock_id in held:
+            table._not_held(held, (lock_id,))
+        try:
+            dirty = table._take(fd, held, lock_id, True, self.timeout)
+            if dirty and self.repair is not None:
                 self.repair()
-            except BaseException:
-                self.table.release(self.lock_id, clean=False)
-                raise
-        return dirty
+            return dirty
+        except BaseException:
+            table._drop(fd, held, [lock_id])
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.table.release(self.lock_id, clean=exc_type is None)
@@ -387,15 +457,23 @@ class _HeldMany:
         self.lock_ids = lock_ids if len(lock_ids) == 1 else sorted(set(lock_ids))  # (acquire_many takes one id alone)
 
     def __enter__(self) -> list[int]:
-        dirty = self.table.acquire_many(self.lock_ids, timeout=self.timeout, ordered=True)
-        if dirty and self.repair_for is not None:
-            try:
+        ids, table = self.lock_ids, self.table
+        if ids and (ids[0] < 0 or ids[-1] >= LOCK_IDS):
+            raise ValueError("hold_many takes lock ids that have records")
+        fd, held = table._thread_fd()
+        table._not_held(held, ids)
+        try:  # as _Held.__enter__
+            if len(ids) == 1:
+                dirty = ids if table._take(fd, held, ids[0], True, self.timeout) else []
+            else:
+                dirty = table._take_many(fd, held, ids, self.timeout)
+            if dirty and self.repair_for is not None:
                 for i in dirty:
                     self.repair_for(i)
-            except BaseException:
-                self.table.release_many(self.lock_ids, clean=False, ordered=True)
-                raise
-        return dirty
+            return dirty
+        except BaseException:
+            table._drop(fd, held, ids)
+            raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.table.release_many(self.lock_ids, clean=exc_type is None, ordered=True)

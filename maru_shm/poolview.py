@@ -251,7 +251,7 @@ def _class_rows(snap: _Snapshot) -> list[dict]:
     heads_all = snap.states == UNIT_HEAD
     for cid, info in sorted(snap.classes.items()):
         heads = np.flatnonzero(heads_all & (snap.clsfield == cid)).astype(np.int64)
-        heads = heads[heads + info["k"] <= g.n_units]
+        heads = heads[g.slab_fits(heads, info["k"])]
         if heads.size == 0:
             continue
         offs = (heads[:, None] * g.unit_size + np.arange(info["bps"], dtype=np.int64)[None, :] * info["block"]).ravel()

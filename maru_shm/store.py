@@ -71,9 +71,12 @@ os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 def _entry(method):
     """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping."""
+    call fence while it runs, so that close() waits for it before unmapping. An exception that ends it
+    (KeyboardInterrupt, a signal handler's) leaves no lock of its own held (LockTable.release_stranded)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
+        locks = self.att.locks
+        before = locks.held_now()
         if self._forked or not self._fence.enter():  # (a forked child never touches the fence: its lock may be held)
             self._check_open()
             raise PoolClosedError("store is closed")
@@ -83,6 +86,9 @@ def _entry(method):
             if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
                 self.att.check_intact()
             return result
+        except BaseException:
+            locks.release_stranded(before)
+            raise
         finally:
             self._fence.leave()
     return call

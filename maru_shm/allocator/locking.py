@@ -25,5 +25,6 @@ class AllocatorLocks:
         """Take CLASS[cid] without waiting: None if busy, else True if it was left dirty (repair it)."""
         return self.locks.acquire(CLASS_LOCK_BASE + cid, blocking=False)
 
-    def release_class(self, cid: int) -> None:
-        self.locks.release(CLASS_LOCK_BASE + cid)
+    def release_class(self, cid: int, clean: bool = True) -> None:
+        """Give back a try_class lock; clean=False keeps its dirty mark (the section did not finish)."""
+        self.locks.release(CLASS_LOCK_BASE + cid, clean=clean)

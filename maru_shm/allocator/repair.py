@@ -37,7 +37,7 @@ class Repairer:
             if covered[h]:
                 continue
             info = self.class_table.info(slabs.cls(h))
-            if info is None or h + info.k > n:
+            if info is None or not geo.slab_fits(h, info.k):
                 continue  # left to check(); class repair ignores unknown classes
             covered[h:h + info.k] = True
             for t in range(h + 1, h + info.k):
@@ -67,7 +67,7 @@ class Repairer:
         info = self.class_table.info(cid)
         if info is None:
             return 0
-        heads = [h for h in self.slabs.class_slabs(cid) if h + info.k <= self.slabs.geo.n_units]
+        heads = self.slabs.class_slabs(cid)
         doomed, damaged = self._doomed_blocks(info, heads)
         freed = used_total = 0
         set32(self.slabs.mm, self.slabs.geo.class_entry(cid) + CLS_PARTIAL, 0)

@@ -90,12 +90,13 @@ class SlabMover:
         if heads is None:
             return False
         locked: list[int] = []
+        cut = False
         try:
             infos = []
             for h in heads:
                 c = self.slabs.cls(h)
                 cinfo = self.class_table.info(c)
-                if cinfo is None or h + cinfo.k > self.slabs.geo.n_units or (donors is not None and c not in donors):
+                if cinfo is None or not self.slabs.geo.slab_fits(h, cinfo.k) or (donors is not None and c not in donors):
                     return False
                 if c != my_cid and c not in locked:
                     dirty = self.locks.try_class(c)
@@ -113,9 +114,12 @@ class SlabMover:
                 return False
             self.evict_slabs(infos, may_evict)
             return True
+        except BaseException:
+            cut = True
+            raise
         finally:
-            for c in locked:
-                self.locks.release_class(c)
+            for c in locked:  # a donor's section cut short (a repair or an eviction) stays dirty: its next holder repairs
+                self.locks.release_class(c, clean=not cut)
 
     def slab_evictable(self, h: int, info: ClassInfo) -> bool:
         """No block of the slab is owned by a live process or pinned (LIVE with FLAG_PINNED)."""

@@ -89,7 +89,12 @@ class SlabTable:
         return h, info, i
 
     def class_slabs(self, cid: int) -> list[int]:
-        return [int(h) for h in np.flatnonzero((self.states == UNIT_HEAD) & (self.clsfield == cid))]
+        """Heads of the class's slabs, lowest first: those that fit in the data area (Geometry.slab_fits)."""
+        info = self.class_table.info(cid)
+        if info is None:
+            return []
+        heads = np.flatnonzero((self.states == UNIT_HEAD) & (self.clsfield == cid))
+        return heads[self.geo.slab_fits(heads, info.k)].tolist()
 
     def heads_in(self, w0: int, k: int) -> list[int] | None:
         """Heads of the slabs overlapping units [w0, w0 + k); None if a TAIL there names no HEAD before it."""
@@ -150,7 +155,7 @@ class SlabTable:
         s = self.geo.slab_entry(h)
         mm = self.mm
         state, cid = self.state_and_cls(h)
-        return (state == UNIT_HEAD and cid == info.cid and h + info.k <= self.geo.n_units
+        return (state == UNIT_HEAD and cid == info.cid and self.geo.slab_fits(h, info.k)
                 and bool(mm[s + SLAB_INPARTIAL]) and get32(mm, s + SLAB_NBLOCKS) == info.bps
                 and (info.k == 1 or ((self.states[h + 1:h + info.k] == UNIT_TAIL).all()
                                      and (self.clsfield[h + 1:h + info.k] == h).all())))

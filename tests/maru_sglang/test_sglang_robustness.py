@@ -45,6 +45,68 @@ def test_host_indices_of_the_wrong_length_fail_softly_and_log_once(mha_llama, ca
     assert backend.batch_exists(keys) == 0  # nothing half-written
 
 
+@pytest.mark.parametrize("bad", ["size", "minus_one"])
+def test_host_indices_outside_the_host_pool_are_refused_and_copy_nothing(mha_llama, caplog, bad):
+    """Bug: an index equal to the host pool's size, or -1, was turned into a pointer unchecked: batch_set_v1
+    answered [True] (storing bytes from outside the host buffer, or skipping a present key), and
+    batch_get_v1 wrote a page past the buffer. Now such a call answers False, logs once and copies nothing.
+    The calls an unchecked backend would have answered without copying come first, so that without the
+    check this test fails before any copy past the buffer."""
+    host, backend = mha_llama
+    keys = prompt_keys(2, f"oob-{bad}")
+    src = page_indices(host, 0, 2)
+    assert backend.batch_set_v1(keys, src) == [True, True]
+    outside = host.logical_size if bad == "size" else -1
+    idx = torch.cat([page_indices(host, 5, 1), torch.tensor([outside], dtype=torch.int64)])
+    for _ in range(2):
+        assert backend.batch_set_v1(keys, idx) == [False, False]  # unchecked: [True, True], present keys skipped
+    absent = prompt_keys(2, f"oob-absent-{bad}")
+    assert backend.batch_get_v1(absent, idx) == [False, False]
+    assert len(_errors(caplog, "batch_set_v1")) == 1 and len(_errors(caplog, "batch_get_v1")) == 1
+    written = backend.store.stats()["bytes_written"]
+    assert backend.batch_set_v1(absent, idx) == [False, False]
+    assert backend.batch_exists(absent) == 0 and backend.store.stats()["bytes_written"] == written
+    hh.zero_pages(host, idx[:1])
+    assert backend.batch_get_v1(keys, idx) == [False, False]  # present keys: a load would write past the buffer
+    assert page_bytes(host, idx[:1]) == [bytes(backend.page_bytes)]  # nothing loaded, not even the good page
+    assert backend.batch_get_v1(keys, page_indices(host, 5, 2)) == [True, True]  # the pool still works
+    assert page_bytes(host, page_indices(host, 5, 2)) == page_bytes(host, src)
+
+
+class _AskedTier:
+    """A second tier that records what it is asked and answers like a detached one: enough to see whether a
+    call reached it (Mooncake itself is not needed for that; test_tier2.py runs the real one)."""
+    attached = True
+
+    def __init__(self):
+        self.asked = []
+
+    def call(self, what, fn, fallback):
+        self.asked.append(what)
+        return fallback
+
+    def count(self, name, n=1):
+        pass
+
+
+def test_refused_host_indices_never_reach_the_second_tier(mha_llama):
+    """The pool's misses go to the second tier with the same host indices: a call refused for its indices
+    must not pass them on (the tier would copy outside the host buffer in the pool's stead)."""
+    from maru_sglang.twotier import TwoTiers
+
+    host, backend = mha_llama
+    tier = _AskedTier()
+    backend.tiers = TwoTiers(backend, tier)
+    keys = prompt_keys(2, "oob-tier")
+    inside = page_indices(host, 0, 2)
+    assert backend.batch_get_v1(keys, inside) == [False, False] and tier.asked == ["batch_get_v1"]  # misses go on
+    tier.asked.clear()
+    outside = torch.cat([inside[:1], torch.tensor([host.logical_size], dtype=torch.int64)])
+    assert backend.batch_get_v1(keys, outside) == [False, False]
+    assert backend.batch_set_v1(keys, outside) == [False, False]
+    assert tier.asked == []
+
+
 def test_page_size_mismatch_fails_softly(make_instance):
     """page_size 4: an index count that is not a whole number of pages trips SGLang's own assertion."""
     host, backend = make_instance(layout="page_first_direct", page_size=4, pages=4)

@@ -695,6 +695,27 @@ def test_v2_calls_fail_softly(twin, caplog):
 
 
 @pytest.mark.parametrize("v1", [True, False], ids=["interface_v1", "legacy"])
+def test_v2_host_indices_outside_their_pool_are_refused(twin, v1):
+    """pages.check_host_indices guards the v2 pools and a 'kv' transfer's pages (legacy flat pages too): a page
+    whose indices leave its host pool answers False. The keys are stored first, so that a backend without the
+    check skips the present pages and answers True without copying from outside the buffers."""
+    t = twin("mamba_swa", maru={"interface_v1": int(v1)})
+    keys = prompt_keys(2, f"oob-v2-{v1}")
+    swa = t.pools["swa"]
+
+    def transfers(kv_idx, swa_idx):
+        return [PoolTransfer(name=PoolName.KV, keys=keys, host_indices=kv_idx),
+                PoolTransfer(name=PoolName.SWA, keys=keys, host_indices=swa_idx)]
+
+    good = transfers(slot_indices(t.anchor, 0, 2), slot_indices(swa, 0, 2))
+    assert t.maru.batch_set_v2(good) == {PoolName.KV: [True, True], PoolName.SWA: [True, True]}
+    kv_bad = torch.cat([slot_indices(t.anchor, 0, 1), torch.full((t.anchor.page_size,), -1, dtype=torch.int64)])
+    swa_bad = torch.cat([slot_indices(swa, 0, 1), torch.arange(swa.size, swa.size + swa.page_size)])
+    assert t.maru.batch_set_v2(transfers(kv_bad, swa_bad)) == {PoolName.KV: [False, False],
+                                                               PoolName.SWA: [False, False]}
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["interface_v1", "legacy"])
 def test_a_transfer_named_kv_moves_the_kv_pages_themselves(twin, v1):
     """HiCacheFile._log_key leaves a 'kv' transfer's keys unsuffixed: it reads and writes the KV pages. MaruStorage
     does the same, under the very keys of its v1 (or legacy) KV calls."""

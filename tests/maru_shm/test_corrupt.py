@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from maru_shm import CorruptPoolError, Store
-from maru_shm.format import CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, SLAB_ENTRY, STATE_OFF, U32
+from maru_shm.format import (CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, SLAB_ENTRY, STATE_OFF, U32, UNIT_FREE,
+                             UNIT_HEAD)
 from maru_shm.index import key_digest
 
 from . import corrupt_harness as H
@@ -523,6 +524,33 @@ def test_eviction_ignores_a_tail_naming_no_head(pool_path):
         _assert_reads(s, vals)
         s.check(repair=True)
         assert s.check().ok, s.check().problems
+
+
+def test_a_slab_running_past_the_data_area_is_skipped_not_followed(pool_path):
+    """Bug: the block CLOCK took the class's HEAD entries as the file gave them: a slab running past the
+    data area sent it past the end of the block metas, and every put of that class that had to evict raised
+    IndexError until `check --repair`. Every reader of slab heads now skips such a slab
+    (Geometry.slab_fits): the puts go on, check() reports the slab, repair drops it."""
+    with Store.open(pool_path, "2M", create=True, timeout=H.LOCK_TIMEOUT, **dict(SMALL, index_slots=8192)) as s:
+        size = 5800
+        info = s.alloc.class_for(size)
+        last = s.geo.n_units - 1
+        assert info.k > 1 and info.bps * info.block > s.geo.unit_size  # blocks that would start past the end
+        assert _u32(s, _slab_off(s, last)) == UNIT_FREE
+        _u32(s, _slab_off(s, last) + 4, info.cid)
+        _u32(s, _slab_off(s, last), UNIT_HEAD)
+        vals = {}
+        for i in range(3 * s.geo.data_bytes // size):  # three pools' worth: the class evicts its own blocks
+            k = f"v{i}"
+            vals[k] = make_value(k, 1, size)
+            assert s.put(k, vals[k])  # the class keeps working (the rule allows a StoreError, never IndexError)
+        assert s.get(k) == vals[k]
+        assert _assert_reads(s, vals) < len(vals)  # it did evict
+        assert f"slab at unit {last}: {info.k} units run past the data area" in s.check().problems
+        s.check(repair=True)
+        assert s.check().ok, s.check().problems
+        assert _u32(s, _slab_off(s, last)) == UNIT_FREE
+        _assert_reads(s, vals)
 
 
 def test_tail_naming_a_later_head_is_not_a_block_start(pool_path):

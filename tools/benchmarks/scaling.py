@@ -55,7 +55,7 @@ class _LockMeter:
         self.acquire_ns = self.wait_ns = self.acquires = self.waited = 0
         self._busy = False
         self._depth = 0
-        orig_acquire, orig_try = locks.LockTable.acquire, locks.ofd_trylock
+        orig_try = locks.ofd_trylock
         pc = time.perf_counter_ns
         meter = self
 
@@ -67,28 +67,29 @@ class _LockMeter:
 
         def timed(orig, counts_as_wait):
             """Wrap a lock-taking method: time inside it, and whether a try-lock inside found it taken."""
-            def wrapper(self, arg, **kw):
-                if meter._depth:  # acquire_many of a single id calls acquire: count the outer call only
-                    return orig(self, arg, **kw)
+            def wrapper(self, *args):
+                if meter._depth:  # count the outermost call only
+                    return orig(self, *args)
                 meter._depth += 1
                 meter._busy = False
                 t0 = pc()
                 try:
-                    return orig(self, arg, **kw)
+                    return orig(self, *args)
                 finally:
                     meter._depth -= 1
                     dt = pc() - t0
                     meter.acquire_ns += dt
                     meter.acquires += 1
-                    if meter._busy and counts_as_wait(kw):
+                    if meter._busy and counts_as_wait(args):
                         meter.wait_ns += dt
                         meter.waited += 1
             return wrapper
 
         locks.ofd_trylock = trylock  # the lock paths look the name up in their module at call time
-        # a failed non-blocking try-lock is not a wait; a batch of shard locks always blocks
-        locks.LockTable.acquire = timed(orig_acquire, lambda kw: kw.get("blocking", True))
-        locks.LockTable.acquire_many = timed(locks.LockTable.acquire_many, lambda kw: True)
+        # Every taker (acquire, hold, acquire_many, hold_many) goes through _take or _take_many. A failed
+        # non-blocking try-lock is not a wait (_take's 4th argument: blocking); a batch of shard locks always blocks.
+        locks.LockTable._take = timed(locks.LockTable._take, lambda args: args[3])
+        locks.LockTable._take_many = timed(locks.LockTable._take_many, lambda args: True)
 
     def take(self) -> tuple[int, int, int, int]:
         r = (self.acquire_ns, self.wait_ns, self.acquires, self.waited)

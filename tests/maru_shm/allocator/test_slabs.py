@@ -9,6 +9,7 @@ import contextlib
 import random
 
 import numpy as np
+import pytest
 
 from maru_shm.sizeclasses import geometric_sizes
 from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
@@ -699,3 +700,26 @@ def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open
     s.alloc.host.indexed_many = real
     assert s.get("new") == make_value("new", 1, info.block)
     assert s.check().ok
+
+
+def test_a_slab_move_cut_short_leaves_the_donor_class_dirty(open_store, monkeypatch):
+    """Bug: a slab move gave back the donor classes' locks clean even when an exception (KeyboardInterrupt)
+    cut their eviction short, so a half-emptied donor slab was never repaired. Their marks now stay."""
+    from maru_shm.allocator.slabmover import SlabMover
+    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+
+    s = open_store("4M", timeout=2.0)
+    donor, _ = _fill_one_class(s, 16 * KiB)
+    taker = s.alloc.class_for(200 * KiB)
+    assert taker.cid != donor.cid and not s.alloc.class_slabs(taker.cid)
+
+    def interrupted(self, slabs, may_evict=True):
+        raise KeyboardInterrupt("inside the donor's eviction")
+    monkeypatch.setattr(SlabMover, "evict_slabs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.put("large", make_value("large", 1, 200 * KiB))  # the taker has no slab: a donor slab must move
+    rec = s.geo.off_locks + (CLASS_LOCK_BASE + donor.cid) * LOCK_RECORD.size
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0  # its next holder repairs the class
+    monkeypatch.undo()
+    assert s.put("large", make_value("large", 1, 200 * KiB)) and s.get("large") == make_value("large", 1, 200 * KiB)
+    assert_clean(s)
