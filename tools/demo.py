@@ -24,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from .serving import DEMO_MODEL, Reply, Server, ServerSpec, prompt, wait_until_stored
+from .serving import DEMO_MODEL, Reply, Server, ServerSpec, prompt, stored_pages, wait_until_stored, warm_up
 
 
 @dataclass
@@ -64,10 +64,12 @@ def four_prompts(spec: ServerSpec, tokens: int, new_tokens: int = 16, log_dir: s
     A, C = prompt(1, tokens), prompt(2, tokens)
     full_pages = (tokens - 1) // spec.page_size
     replies: dict[str, Reply] = {}
-    say("starting two SGLang servers on the pool ...")
+    say("starting two SGLang servers on the pool, and one short prompt through each to warm them up ...")
     with Server(spec, "instance-1", log_dir) as one, Server(spec, "instance-2", log_dir) as two:
+        warm_up(one, two, spec)
+        before = stored_pages(spec)
         replies["a"] = one.generate(A, new_tokens)
-        stored = wait_until_stored(spec.pool, full_pages)
+        stored = wait_until_stored(spec, before + full_pages) - before
         say(f"a: instance 1 served A; write-through put {stored} pages into the pool")
         replies["b"] = two.generate(A, new_tokens)
         replies["c"] = two.generate(C, new_tokens)

@@ -244,13 +244,36 @@ def prompt(seed: int, length: int, vocab: int = DEMO_MODEL.vocab) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def wait_until_stored(pool: str, entries: int, timeout: float = 120) -> int:
-    """Wait until the pool holds at least `entries` values (write-through reaches L3 after the reply)."""
+def stored_pages(spec: ServerSpec) -> int:
+    """Values in the servers' L3: entries of the pool, or page files of HiCacheFile's directory."""
+    if spec.pool is None:
+        try:
+            return len(os.listdir(spec.file_dir))
+        except FileNotFoundError:
+            return 0
     from maru_shm import Store
+    with Store.open(spec.pool) as store:
+        return store.stats()["entries"]
+
+
+def wait_until_stored(spec: ServerSpec, at_least: int, timeout: float = 120) -> int:
+    """Wait until L3 holds at least `at_least` values (write-through reaches L3 after the reply)."""
     deadline = time.monotonic() + timeout
-    with Store.open(pool) as store:
-        while True:
-            n = store.stats()["entries"]
-            if n >= entries or time.monotonic() > deadline:
-                return n
-            time.sleep(0.1)
+    while True:
+        n = stored_pages(spec)
+        if n >= at_least or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
+def warm_up(writer: Server, reader: Server, spec: ServerSpec) -> None:
+    """A short prompt written through by `writer`, then read from L3 by `reader`, whose caches are then
+    flushed: a server's first requests pay one-time costs (loading SGLang's page-hash extension, first
+    kernel calls) that are not what time to first token measures."""
+    w = prompt(0, 4 * spec.page_size + 1)
+    before = stored_pages(spec)
+    writer.generate(w, 1)
+    wait_until_stored(spec, before + 4)
+    reader.generate(w, 1)
+    reader.generate(prompt(-1, 4 * spec.page_size + 1), 1)
+    reader.flush_device_and_host()

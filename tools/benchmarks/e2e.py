@@ -24,46 +24,25 @@ NAME = "e2e"
 SEEDS = 1000  # prompt seeds: one per (length, repeat), never the same prompt twice in a run
 
 
-def _file_pages(directory: str) -> int:
-    try:
-        return len(os.listdir(directory))
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_for(count, at_least: int, timeout: float = 120) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while count() < at_least and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 def ttft_by_length(spec, lengths: list[int], repeat: int, log_dir: str, progress, frac0: float, frac1: float) -> dict:
     """{length: {"hit": [s], "recompute": [s], "pages": [n]}} for one L3 backend."""
-    from ..serving import Server, prompt, wait_until_stored
+    from ..serving import Server, prompt, stored_pages, wait_until_stored, warm_up
     out = {n: {"hit": [], "recompute": [], "pages": []} for n in lengths}
-    stored = 0
-    if spec.pool is not None:
-        def count():
-            return wait_until_stored(spec.pool, 0, timeout=0)
-    else:
-        def count():
-            return _file_pages(spec.file_dir)
     steps, done = len(lengths) * repeat, 0
     with Server(spec, "writer", log_dir) as one, Server(spec, "reader", log_dir) as two:
+        warm_up(one, two, spec)
         for n in lengths:
             for i in range(repeat):
                 progress(frac0 + (frac1 - frac0) * done / steps, f"{'maru' if spec.pool else 'file'} {n} tokens")
                 seed = SEEDS + n * 10 + i
                 shared, cold = prompt(seed, n), prompt(seed + SEEDS, n)
+                before = stored_pages(spec)
                 one.generate(shared, 1)
-                stored += (n - 1) // spec.page_size
-                _wait_for(count, stored)
+                wait_until_stored(spec, before + (n - 1) // spec.page_size)
                 hit = two.generate(shared, 1)
                 out[n]["hit"].append(hit.ttft)
                 out[n]["pages"].append(hit.pages_from_l3(spec.page_size))
                 out[n]["recompute"].append(two.generate(cold, 1).ttft)
-                stored = count()
                 two.flush_device_and_host()
                 done += 1
     return out
