@@ -313,8 +313,8 @@ class Geometry:
         def slots_for(n_units: int) -> int:
             data = n_units * unit_size
             want = index_slots if index_slots else max(index_shards * 64, data // DEFAULT_ENTRY_BYTES)
-            if value_size is not None and not index_slots:
-                want = max(want, index_slots_for(data // value_size, index_shards))
+            if value_size is not None and not index_slots:  # a value takes one block, a granule at least
+                want = max(want, index_slots_for(data // max(value_size, granule), index_shards))
             p = 1
             while p < want:
                 p <<= 1
@@ -405,9 +405,10 @@ class Geometry:
         out = []
         if self.granule > granule_for(value_size):
             out.append(f"its granule is {self.granule} bytes, so a {value_size}-byte value takes a whole granule")
-        if self.index_slots < index_slots_for(self.data_bytes // value_size, self.index_shards):
+        fit = self.data_bytes // max(value_size, self.granule)  # a value takes one block, a granule at least
+        if self.index_slots < index_slots_for(fit, self.index_shards):
             out.append(f"its index holds {shard_limit(self.shard_slots) * self.index_shards} entries, and "
-                       f"{self.data_bytes // value_size} such values fit its data area: the index would evict first")
+                       f"{fit} such values fit its data area: the index would evict first")
         return out
 
     def validate(self) -> None:

@@ -80,7 +80,7 @@ def test_plan_uses_the_space_it_has():
 
 
 @pytest.mark.parametrize("size", [16 * MiB, 256 * MiB, 4 * GiB])
-@pytest.mark.parametrize("value", [300, 1024, 1152, 3000, 8192, 131072])
+@pytest.mark.parametrize("value", [1, 300, 1024, 1152, 3000, 8192, 131072])
 def test_a_pool_planned_for_a_value_size_holds_such_values_densely(size, value):
     """A value at or above the granule gets an exact-fit block of its own size, and the index holds a data area
     full of such values with every shard below its load limit (four standard deviations of hash imbalance)."""
@@ -89,10 +89,11 @@ def test_a_pool_planned_for_a_value_size_holds_such_values_densely(size, value):
     assert g.granule == granule_for(value) and g.unit_size <= 256 * g.granule
     assert g.granule <= value or g.granule == 512
     assert g.shortfalls(value) == []
-    mean = g.data_bytes // value / g.index_shards
+    mean = g.data_bytes // max(value, g.granule) / g.index_shards  # a value takes one block, a granule at least
     assert shard_limit(g.shard_slots) >= mean + 4 * mean ** 0.5
     default = Geometry.plan(size)
     assert g.index_slots >= default.index_slots and g.granule <= default.granule
+    assert g.data_bytes >= 0.75 * size
 
 
 def test_a_pool_planned_without_a_value_size_names_what_small_values_lack():
