@@ -19,8 +19,9 @@ DEFAULT_PATH = "/dev/shm/maru_shm"
 DEFAULT_POOL_SIZE = 4 << 30
 SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight")
 KNOWN_KEYS = {
-    "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_instance_id", "maru_timeout_ms",
-    "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_prefix_eviction", "maru_tier2", "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
+    "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_min_page_bytes", "maru_instance_id",
+    "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_prefix_eviction", "maru_tier2",
+    "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
 }
 DEFAULT_TIER2_RETRY_S = 2.0
 
@@ -40,6 +41,7 @@ class MaruConfig:
     path: str = DEFAULT_PATH
     pool_size: int = DEFAULT_POOL_SIZE
     chunk_size_bytes: int | None = None
+    min_page_bytes: int | None = None  # smallest page of any instance on the pool: what creation sizes it for
     instance_id: str = ""
     timeout_s: float = 2.0
     eager_map: bool = True
@@ -65,7 +67,8 @@ class MaruConfig:
             if not isinstance(extra["maru_path"], str) or not extra["maru_path"]:
                 raise ValueError(f"maru_path: expected a file path, got {extra['maru_path']!r}")
             kw["path"] = extra["maru_path"]
-        for key, field in (("maru_pool_size", "pool_size"), ("maru_chunk_size_bytes", "chunk_size_bytes")):
+        for key, field in (("maru_pool_size", "pool_size"), ("maru_chunk_size_bytes", "chunk_size_bytes"),
+                           ("maru_min_page_bytes", "min_page_bytes")):
             if extra.get(key) is not None:
                 try:
                     kw[field] = parse_size(extra[key])

@@ -100,7 +100,8 @@ class HybridPools:
 
     # ------------------------------------------------------------------ registration
     def describe(self, host_pool, name) -> PoolSpec:
-        """Derive page size, pieces and key namespace of a v2 pool; declare its exact-fit class.
+        """Derive page size, pieces and key namespace of a v2 pool; its exact-fit class is declared now, or when
+        the pool is attached.
 
         Raises ValueError with the reason when the pool's pages cannot be addressed piece by piece.
         """
@@ -116,11 +117,7 @@ class HybridPools:
             return self.spec(KV)
         ptrs, sizes = _page_meta(host_pool, n)
         page_bytes = int(sum(int(s) for s in sizes))
-        if page_bytes > st.store.max_value:
-            raise ValueError(f"{_what(host_pool, n)}: a page is {page_bytes} bytes but pool {st.config.path} holds "
-                             f"values of at most {st.store.max_value} bytes; use a larger maru_pool_size")
-        if page_bytes >= st.store.geo.granule:
-            st.store.declare_size(page_bytes)
+        st.pool.declare(page_bytes, _what(host_pool, n))
         tp_sharded = n in TP_SHARDED_POOLS or not st.storage_config.is_mla_model
         topo = namespace_for(st.storage_config, pool_name=n, tp_sharded=True if n in TP_SHARDED_POOLS else None)
         # the piece sizes pin down how the bytes of one page are laid out (e.g. Mamba temporal vs conv split)
@@ -134,6 +131,10 @@ class HybridPools:
     def register(self, spec: PoolSpec) -> None:
         if not spec.is_kv:
             self.pools[spec.name] = spec
+
+    def pages(self) -> List[tuple]:
+        """(page bytes, what) of every extra pool: the pool is sized for, and declares, each."""
+        return [(s.page_bytes, _what(s.host_pool, s.name)) for s in self.pools.values()]
 
     def tags(self) -> List[str]:
         """Every extra pool's namespace (topology and byte format), for the second tier's tag."""

@@ -6,6 +6,9 @@ same pool file and moves pages directly between its host pool and the file.
 
 - The page size in bytes comes from the registered host pool and becomes an
   exact-fit size class of the pool, so no byte of the file is padding (seed 000).
+- The pool is attached once every host pool is registered (SGLang's
+  on_host_pools_registered(), or the first call that needs it), so that a pool
+  this instance creates fits its smallest page (maru_sglang.pool).
 - Pages are copied piece by piece (K and V, or every layer, as
   `get_page_buffer_meta` describes them) straight between host memory and
   the mapping: no concatenation buffer.
@@ -31,13 +34,14 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
                                                   HiCacheStorageExtraInfo, PoolTransfer, PoolTransferResult)
 
-from maru_shm import SizeMismatchError, Store, StoreError, format_size
+from maru_shm import Store, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
 from .lineage import Lineage
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit, page_pieces, store_pages
+from .pool import SharedPool
 from .tier2 import SecondTier
 from .twotier import TwoTiers
 
@@ -53,13 +57,13 @@ class MaruStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = MaruConfig.from_extra_config(storage_config.extra_config if storage_config else None)
         self.is_writer = bool(storage_config.is_storage_writer) if storage_config else True
-        self.store = self._open_store()
+        self.pool = SharedPool(self.config)  # the store, attached once the page sizes are known
         self.mem_pool_host = None
         self.page_bytes: int | None = None
         self.pieces_per_page = 0
         self._logged: set = set()
         self._lock = threading.Lock()
-        self.keyspace = KeySpace(self.store, self.log_once)  # whose pages these are, and the clear() nonce
+        self.keyspace = KeySpace(lambda: self.store, self.log_once)  # whose pages these are, and the clear() nonce
         self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
         self.lineage = Lineage(self, self.config.prefix_eviction)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
@@ -72,28 +76,20 @@ class MaruStorage(HiCacheStorage):
         self._backup_bw: list[float] = []
 
     # ------------------------------------------------------------ setup
-    def _open_store(self) -> Store:
-        c = self.config
-        try:
-            # create=True also attaches to a ready pool, and formats again one whose creator died mid-format
-            try:
-                store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode,
-                                   copy_threads=c.copy_threads)
-            except SizeMismatchError:
-                store = Store.open(c.path, create=True, timeout=c.timeout_s, mode=c.mode, copy_threads=c.copy_threads)
-        except StoreError as e:
-            raise RuntimeError(f"MaruStorage: cannot open pool {c.path}: {e}") from e
-        if store.geo.file_size != c.pool_size and not store.created:
-            logger.info("maru: using existing pool %s of %s (maru_pool_size applies only when creating)",
-                        c.path, format_size(store.geo.file_size))
-        if c.eager_map:
-            store.populate()  # Maru's eager map: the whole pool is backed and mapped up front
-        logger.info("maru: attached to %s (%s, instance %s, slot %d)", c.path, format_size(store.geo.file_size),
-                    c.instance_id, store.slot)
-        return store
+    @property
+    def store(self) -> Store:
+        """The pool, attached on first use: on_host_pools_registered(), once every page size is known."""
+        store = self.pool.store
+        return store if store is not None else self._attach()
+
+    def _attach(self) -> Store:
+        if self.page_bytes is None:
+            raise RuntimeError("MaruStorage used before register_mem_pool_host()")
+        return self.pool.attach([(self.page_bytes, "MaruStorage"), *self.hybrid.pages()])
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Derive the page size from the host pool, declare it as an exact-fit class, fix the namespace."""
+        """Derive the page size from the host pool (an exact-fit class once the pool is attached), fix the
+        namespace."""
         super().register_mem_pool_host(mem_pool_host)
         layout = getattr(mem_pool_host, "layout", None)
         page_size = int(getattr(mem_pool_host, "page_size", 1))
@@ -124,14 +120,7 @@ class MaruStorage(HiCacheStorage):
                                  f"than one page ({page_bytes} bytes)")
             logger.warning("maru: maru_chunk_size_bytes=%d ignored: pages are stored in an exact %d-byte class",
                            self.config.chunk_size_bytes, page_bytes)
-        if page_bytes > self.store.max_value:
-            raise ValueError(f"MaruStorage: a page is {page_bytes} bytes but pool {self.config.path} holds values of "
-                             f"at most {self.store.max_value} bytes; use a larger maru_pool_size")
-        if page_bytes >= self.store.geo.granule:
-            self.store.declare_size(page_bytes)
-        else:  # below the smallest block: a fine geometric class holds it
-            logger.info("maru: page of %d bytes is below the pool's %d-byte granule; no exact-fit class",
-                        page_bytes, self.store.geo.granule)
+        self.pool.declare(page_bytes, "MaruStorage")
         self.page_bytes = page_bytes
         self.pieces_per_page = len(ptrs)
         # v1 stores the pieces in get_page_buffer_meta order, legacy the flat get_data_page tensor; for
@@ -268,6 +257,8 @@ class MaruStorage(HiCacheStorage):
             self.tier2.register_v2(host_pool, spec.name)
 
     def on_host_pools_registered(self) -> None:
+        """Every host pool is known: attach the pool (created for the smallest page), then the second tier."""
+        self._attach()
         logger.info("maru: host pools registered: kv %s; v2 pools: %s", format_size(self.page_bytes or 0),
                     self.hybrid.summary())
         self._start_tier2()
@@ -407,7 +398,7 @@ class MaruStorage(HiCacheStorage):
         """Detach from the pool (the pool and other instances' pages stay) and from the second tier."""
         if self.tier2 is not None:
             self.tier2.close()
-        store, self.store = self.store, None
+        store = self.pool.close()
         if store is not None:
             store.close()
 
@@ -432,7 +423,8 @@ class MaruStorage(HiCacheStorage):
             self._backup_bw.clear()
             mine = dict(self._stats)
         try:  # called from the scheduler loop: never raise into it
-            pool = self.store.stats() if self.store is not None else {}
+            store = self.pool.store  # None before the pool is attached and after close()
+            pool = store.stats() if store is not None else {}
         except Exception as e:
             self.log_once("get_stats", e)
             pool = {}

@@ -67,8 +67,8 @@ class KeySpace:
     full pool evicted it, a process that never saw the nonce could not find any page of the namespace.
     """
 
-    def __init__(self, store, log_once):
-        self.store = store
+    def __init__(self, store_of, log_once):
+        self._store_of = store_of  # the pool, attached on first use (MaruStorage.store)
         self._log_once = log_once
         self.base: str | None = None
         self._cache: tuple[float, str] | None = None
@@ -77,6 +77,10 @@ class KeySpace:
     def set_base(self, base: str) -> None:
         self.base = base
         self._cache = None
+
+    @property
+    def store(self):
+        return self._store_of()
 
     @property
     def record(self) -> str:

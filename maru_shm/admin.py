@@ -25,8 +25,9 @@ from .store import Store
 def plan_pool(size, **knobs) -> Geometry:
     """The layout a pool of `size` would get with these creation knobs (Store.open's); ValueError if none."""
     knobs = dict(knobs)
-    if "max_value" in knobs:
-        knobs["max_value"] = parse_size(knobs["max_value"])
+    for k in ("max_value", "value_size"):
+        if knobs.get(k) is not None:
+            knobs[k] = parse_size(knobs[k])
     return Geometry.plan(parse_size(size), **knobs)
 
 

@@ -8,6 +8,7 @@ out the regions for a given file size, and superblock validation.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import struct
 import time
@@ -81,6 +82,35 @@ SHARD_STRUCT = struct.Struct("<II")  # count hand
 ENTRY_SIZE = 32
 ENTRY_STRUCT = struct.Struct("<16sQQ")  # digest word offset
 ENTRY_WORD_OFF, ENTRY_OFFSET_OFF = 16, 24
+
+
+def shard_limit(shard_slots: int) -> int:
+    """Most entries a shard holds (7/8 of its slots): a writer at the limit evicts a cold entry first."""
+    return shard_slots * 7 // 8
+
+
+def index_slots_for(entries: int, index_shards: int) -> int:
+    """Index slots (before rounding up to a power of two) that hold `entries` keys below every shard's load
+    limit: keys spread over the shards by hash, so each shard gets its mean plus four standard deviations."""
+    mean = entries / index_shards
+    need = math.ceil(mean + 4 * math.sqrt(mean))
+    return index_shards * -(-need * 8 // 7)
+
+
+# --- creation defaults ---------------------------------------------------
+DEFAULT_GRANULE = 4096
+MIN_GRANULE = 512
+DEFAULT_UNIT = 256 << 10
+DEFAULT_ENTRY_BYTES = 16 << 10  # index slots per data byte when no value size is given (section 7)
+
+
+def granule_for(value_size: int | None) -> int:
+    """The granule of a pool whose smallest value is `value_size` bytes: 4 KiB, or the largest power of two not
+    above a smaller value (512 B at least). A value below the granule takes a whole granule; at or above it,
+    an exact-fit class of its own size holds it without padding."""
+    if value_size is None or value_size >= DEFAULT_GRANULE:
+        return DEFAULT_GRANULE
+    return max(MIN_GRANULE, 1 << (max(1, value_size).bit_length() - 1))
 
 # --- block meta ----------------------------------------------------------
 META_SIZE = 32
@@ -247,12 +277,25 @@ class Geometry:
         return self.off_procs + slot * PROC_ENTRY
 
     @staticmethod
-    def plan(file_size: int, *, granule: int = 4096, unit_size: int = 256 << 10,
+    def plan(file_size: int, *, granule: int | None = None, unit_size: int | None = None,
              max_value: int = 64 << 20, index_slots: int | None = None,
              index_shards: int = 64, proc_slots: int = 128, data_align: int | None = None,
-             flags: int = FLAG_RELATIONS, n_geo_classes: int | None = None) -> "Geometry":
-        """Lay out a pool of `file_size` bytes; raise ValueError if it cannot hold one unit."""
-        if not _is_pow2(granule) or granule < 512:
+             flags: int = FLAG_RELATIONS, n_geo_classes: int | None = None,
+             value_size: int | None = None) -> "Geometry":
+        """Lay out a pool of `file_size` bytes; raise ValueError if it cannot hold one unit.
+
+        value_size: the smallest value the pool is for (a KV page). Unless given explicitly, the granule
+        comes from it (granule_for) and the index holds a data area full of such values (index_slots_for),
+        so the data area fills before any index shard does. Without it: 4 KiB granules, one index slot per
+        16 KiB of data. The unit defaults to 256 KiB, or 256 granules when that is less.
+        """
+        if value_size is not None and (type(value_size) is not int or value_size < 1):
+            raise ValueError(f"value_size must be a positive number of bytes, got {value_size!r}")
+        if granule is None:
+            granule = granule_for(value_size)
+        if unit_size is None:
+            unit_size = min(DEFAULT_UNIT, granule * MAX_BLOCKS_PER_SLAB)
+        if not _is_pow2(granule) or granule < MIN_GRANULE:
             raise ValueError(f"granule must be a power of two >= 512, got {granule}")
         if not _is_pow2(unit_size) or unit_size < granule or unit_size > granule * MAX_BLOCKS_PER_SLAB:
             raise ValueError(
@@ -277,7 +320,10 @@ class Geometry:
             return shard_slots, offs[4], offs[5], offs[6], n_granules, offs[7]
 
         def slots_for(n_units: int) -> int:
-            want = index_slots if index_slots else max(index_shards * 64, n_units * unit_size // (16 << 10))
+            data = n_units * unit_size
+            want = index_slots if index_slots else max(index_shards * 64, data // DEFAULT_ENTRY_BYTES)
+            if value_size is not None and not index_slots:  # a value takes one block, a granule at least
+                want = max(want, index_slots_for(data // max(value_size, granule), index_shards))
             p = 1
             while p < want:
                 p <<= 1
@@ -361,6 +407,18 @@ class Geometry:
         return _region_layout(self.proc_slots, self.n_units, self.index_shards, self.shard_slots, self.n_granules,
                               data_align, self.has_relations)
 
+
+    def shortfalls(self, value_size: int) -> list[str]:
+        """What keeps this pool from holding values of `value_size` bytes densely (empty: nothing), for a
+        process whose values are smaller than the ones the pool was created for."""
+        out = []
+        if self.granule > granule_for(value_size):
+            out.append(f"its granule is {self.granule} bytes, so a {value_size}-byte value takes a whole granule")
+        fit = self.data_bytes // max(value_size, self.granule)  # a value takes one block, a granule at least
+        if self.index_slots < index_slots_for(fit, self.index_shards):
+            out.append(f"its index holds {shard_limit(self.shard_slots) * self.index_shards} entries, and "
+                       f"{fit} such values fit its data area: the index would evict first")
+        return out
 
     def validate(self) -> None:
         """Cross-check the geometry so later arithmetic cannot leave the mapping."""

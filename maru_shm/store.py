@@ -193,14 +193,20 @@ class Store:
     # ---------------------------------------------------------------- opening
     @classmethod
     def open(cls, path: str, size=None, create: bool = False, *, mode: int = 0o600, timeout: float = 2.0,
-             allow_foreign_owner: bool = False, granule: int = 4096, unit_size: int = 256 << 10,
+             allow_foreign_owner: bool = False, granule: int | None = None, unit_size: int | None = None,
              max_value="64M", index_slots: int | None = None, index_shards: int = 64,
-             proc_slots: int = 128, populate: bool = False, copy_threads: int | None = None) -> "Store":
+             proc_slots: int = 128, value_size=None, populate: bool = False,
+             copy_threads: int | None = None) -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
         Creation knobs (ignored for an existing pool, whose geometry is read
-        from its header): granule (smallest block), unit_size (slab unit),
-        max_value, index_slots, index_shards, proc_slots.
+        from its header): granule (smallest block, default 4 KiB), unit_size
+        (slab unit, default 256 KiB), max_value, index_slots, index_shards,
+        proc_slots, and value_size: the smallest value the pool is for (a KV
+        page), from which the granule and the index are sized unless given, so
+        such values are stored without padding and fill the data area before
+        the index (format.Geometry.plan). `geo.shortfalls(n)` tells whether an
+        existing pool holds n-byte values that way.
 
         populate=True backs the whole pool with memory now (fallocate on a
         regular file) and pre-faults this process's mapping, so the first write
@@ -218,7 +224,8 @@ class Store:
                              f"got {index_slots!r}")
         size_b = parse_size(size) if size is not None else None
         plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
-                    index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots)
+                    index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots,
+                    value_size=parse_size(value_size) if value_size is not None else None)
         pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
                             allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
         try:

@@ -84,7 +84,7 @@ def _warn(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- create
-_PLAN_KNOBS = ("granule", "unit_size", "max_value", "index_slots", "index_shards", "proc_slots")
+_PLAN_KNOBS = ("granule", "unit_size", "max_value", "index_slots", "index_shards", "proc_slots", "value_size")
 
 
 def _open_defaults() -> dict:
@@ -128,7 +128,8 @@ def cmd_create(args) -> int:
     if not created:
         raise CliError(f"{path} already holds a maru-shm pool; destroy it first to recreate it")
     _print(f"created {path}: {render.size(g.file_size)}, data {render.size(g.data_bytes)} in "
-           f"{g.n_units} units of {render.size(g.unit_size)}, index {g.index_slots} slots, "
+           f"{g.n_units} units of {render.size(g.unit_size)}, granule {render.size(g.granule)}, "
+           f"index {g.index_slots} slots, "
            f"{g.proc_slots} process slots, mode {args.mode:04o}")
     return EXIT_OK
 
@@ -373,11 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--size", type=_size_arg, help="pool size, e.g. 4G, 512M (required for a regular file)")
     c.add_argument("--mode", type=_mode_arg, default=0o600, help="octal file mode (default 0600), e.g. 0660")
     d = _open_defaults()
-    c.add_argument("--granule", type=_size_arg, help=f"smallest block (default {d.get('granule')})")
-    c.add_argument("--unit-size", type=_size_arg, help=f"slab unit (default {d.get('unit_size')})")
+    c.add_argument("--value-size", type=_size_arg, help="smallest value (KV page) to hold densely: the granule "
+                                                        "and the index are sized for it unless given")
+    c.add_argument("--granule", type=_size_arg, help="smallest block (default 4K, or below a smaller --value-size)")
+    c.add_argument("--unit-size", type=_size_arg, help="slab unit (default 256K, at most 256 granules)")
     c.add_argument("--max-value", type=_size_arg, help=f"largest value (default {d.get('max_value')})")
-    c.add_argument("--index-slots", type=int, help="index slots, rounded up to a power of two "
-                                                   "(default: one per 16 KiB of data)")
+    c.add_argument("--index-slots", type=int, help="index slots, rounded up to a power of two (default: one "
+                                                   "per 16 KiB of data, more for a smaller --value-size)")
     c.add_argument("--index-shards", type=int, help=f"index shards, a power of two (default {d.get('index_shards')})")
     c.add_argument("--proc-slots", type=int, help=f"process table slots (default {d.get('proc_slots')})")
     c.set_defaults(func=cmd_create)

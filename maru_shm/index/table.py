@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..errors import CorruptPoolError
-from ..format import (ENTRY_OFFSET_OFF, ENTRY_WORD_OFF, ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry, store_u64)
+from ..format import (ENTRY_OFFSET_OFF, ENTRY_WORD_OFF, ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry,
+                      shard_limit, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 ABSENT, UNDECIDED = -1, -2  # Index.probe: an empty slot ended the probe / the window ended it
@@ -56,7 +57,7 @@ class Index:
         self.slots = geo.shard_slots
         self.smask = geo.index_shards - 1
         self.mask = geo.shard_slots - 1
-        self.limit = geo.shard_slots * 7 // 8
+        self.limit = shard_limit(geo.shard_slots)
         self.shard_bytes = geo.shard_slots * ENTRY_SIZE
         # every entry as a row of 4 u64 (digest lo, digest hi, word, offset): batch gathers and inserts
         self.table = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=mm, offset=self.off)

@@ -78,7 +78,25 @@ def swa_reader(pool: str, models: str, v1: bool) -> dict:
     return out
 
 
-ROLES = {"writer": writer, "reader": reader, "swa_writer": swa_writer, "swa_reader": swa_reader}
+def tiny_prompt(pool: str, models: str, v1: bool) -> dict:
+    """The tiny Llama at page_size 1 (1 KiB pages) on a 64 MiB pool: one prompt of 8192 pages, an eighth of
+    the file, backed up through the controller; then what the pool evicted and what a hit query finds."""
+    n = 8192
+    st = Stack(pool, models, v1=v1, page_size=1, size="64M", tokens=n)
+    tokens = tokens_of(1000, n, page_size=1)
+    idx = st.alloc(n)
+    st.fill(idx, seed=3)
+    hashes, done = st.backup(idx, tokens)
+    store = st.backend.store
+    out = {"page_bytes": st.backend.page_bytes, "done": done, "evictions": store.stats()["evictions"],
+           "stored": st.backend.batch_exists(hashes), "hit": st.hit_query("tiny", tokens)[0],
+           "granule": store.geo.granule, "check_ok": store.check().ok}
+    st.close()
+    return out
+
+
+ROLES = {"writer": writer, "reader": reader, "swa_writer": swa_writer, "swa_reader": swa_reader,
+         "tiny_prompt": tiny_prompt}
 
 
 def main() -> None:

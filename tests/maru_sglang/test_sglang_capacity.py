@@ -13,6 +13,9 @@ pytest.importorskip("sglang", exc_type=ImportError,
                     reason="sglang cannot be imported: these tests need real SGLang 0.5.23 host pools and its backend "
                            "factory (pip install -r requirements.txt)")
 
+import logging  # noqa: E402
+import os  # noqa: E402
+
 from hicache_helpers import page_indices, prompt_keys  # noqa: E402
 import hicache_helpers as hh  # noqa: E402
 
@@ -49,3 +52,62 @@ def test_llama_pages_fill_the_pool_until_it_evicts(make_instance, capsys):
     # the most recent prompt (and the namespace record its keys depend on) survived the pressure
     assert backend.batch_exists(keys) == BATCH
     assert backend.store.check().ok
+
+
+TINY = dict(layer_num=2, head_num=2, head_dim=64)  # a tiny Llama: 1 KiB of K+V per token in bf16
+
+
+def _fill_until_evicting(host, backend, tag: str, batch: int = 256) -> int:
+    """Write new pages until the pool has evicted for a while; the pages written."""
+    idx = page_indices(host, 0, batch)
+    written, evicting_at = 0, None
+    while evicting_at is None or written < evicting_at + 8 * batch:
+        assert backend.batch_set_v1(prompt_keys(batch, f"{tag}-{written}"), idx) == [True] * batch
+        written += batch
+        if evicting_at is None and backend.store.stats()["evictions"] > 0:
+            evicting_at = written
+        assert written < 4 * backend.store.geo.file_size // backend.page_bytes, "the pool never evicted"
+    return written
+
+
+def test_tiny_model_pages_below_4_kib_fill_the_pool_densely(make_instance, capsys):
+    """1 KiB pages (a tiny model at page_size 1) each got a 4 KiB block when the granule was fixed at 4 KiB:
+    a full pool held live pages in a quarter of its file at most. The pool MaruStorage creates is sized for
+    its page: an exact class of 1 KiB blocks, and an index that the data area fills first."""
+    host, backend = make_instance(kind="mha", page_size=1, pages=256, size="64M", host_kw=TINY)
+    assert backend.page_bytes == 1024
+    hh.fill_random(host, seed=7)
+    _fill_until_evicting(host, backend, "tiny")
+    st = backend.store.stats()
+    with capsys.disabled():
+        print(f"\ncapacity, 1 KiB pages: {st['utilization']:.2%} of the 64 MiB file live "
+              f"({st['data_utilization']:.2%} of the data area)")
+    assert st["utilization"] >= 0.85, f"live 1 KiB pages fill only {st['utilization']:.2%} of the pool file"
+    assert backend.store.check().ok
+
+
+def test_a_pool_created_for_larger_pages_warns_once_naming_the_knob(make_instance, caplog):
+    """A pool another instance created for 128 KiB pages cannot hold 1 KiB pages densely: an instance with
+    such pages says so once, naming the key that sizes the pool for them; with that key set on the creator,
+    the same two instances share a pool that fits both."""
+    caplog.set_level(logging.WARNING, logger="maru_sglang")
+
+    def knob_warnings():
+        return [r.getMessage() for r in caplog.records if "maru_min_page_bytes" in r.getMessage()]
+
+    make_instance(kind="mha", page_size=1, pages=2)  # Llama-3.1-8B's 128 KiB pages: it creates the pool
+    _, small = make_instance(kind="mha", page_size=1, pages=2, host_kw=TINY)
+    small.get_stats()
+    assert len(knob_warnings()) == 1, knob_warnings()
+    assert "1024-byte pages" in knob_warnings()[0]
+    assert "granule" in knob_warnings()[0] and "index would evict first" in knob_warnings()[0]
+
+    caplog.clear()
+    pool = hh.shm_path("knob")
+    try:
+        _, big = make_instance(pool, kind="mha", page_size=1, pages=2, maru={"maru_min_page_bytes": "1K"})
+        _, small = make_instance(pool, kind="mha", page_size=1, pages=2, host_kw=TINY)
+        assert not small.store.created and small.store.geo.granule == 1024
+        assert knob_warnings() == []
+    finally:
+        os.unlink(pool)

@@ -64,7 +64,8 @@ def test_unknown_maru_keys_are_warned_by_name(make_instance, caplog):
 @pytest.mark.parametrize("key, value", [
     ("maru_pool_size", "lots"), ("maru_pool_size", "-4G"), ("maru_pool_size", 0),
     ("maru_timeout_ms", -5), ("maru_timeout_ms", "soon"), ("maru_timeout_ms", "nan"), ("maru_timeout_ms", "inf"),
-    ("maru_timeout_ms", 1e400), ("maru_chunk_size_bytes", "1X"),
+    ("maru_timeout_ms", 1e400), ("maru_chunk_size_bytes", "1X"), ("maru_min_page_bytes", "tiny"),
+    ("maru_min_page_bytes", 0),
     ("maru_eager_map", "maybe"), ("maru_mode", "rw"), ("maru_path", ""),
     ("maru_copy_threads", 0), ("maru_copy_threads", "many"), ("maru_copy_threads", True), ("maru_copy_threads", 65),
     ("maru_copy_threads", 2.5),
@@ -79,15 +80,18 @@ def test_bad_values_fail_at_construction_naming_the_key(pool_path, key, value):
     assert not os.path.exists(pool_path), "a rejected config must not create the pool"
 
 
-def test_pool_too_small_for_one_page_fails_clearly_at_register(pool_path):
+def test_pool_too_small_for_one_page_fails_clearly_when_the_pools_are_registered(pool_path):
+    """The pool is attached once every host pool is registered; SGLang's attach_storage_backend makes both
+    calls, so the error still stops the server at start."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     host = hh.make_mha_host(page_size=16, pages=2)  # 2 MiB pages
     backend = StorageBackendFactory.create_backend("dynamic", hh.storage_config(hh.extra_config(pool_path, "1M")),
                                                    host)
     try:
+        backend.register_mem_pool_host(host)
         with pytest.raises(ValueError) as err:
-            backend.register_mem_pool_host(host)
+            backend.on_host_pools_registered()
         msg = str(err.value)
         assert "2097152" in msg and "maru_pool_size" in msg
     finally:

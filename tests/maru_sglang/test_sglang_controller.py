@@ -115,3 +115,20 @@ def test_a_hybrid_sliding_window_model_through_sglangs_assembler(tmp_path):
     assert b["q"][0] == 0, "Q's KV pages are stored but its SWA window is not: nothing restorable"
     assert b["p_short"][0] == 0, "the first 6 pages of P end before its stored SWA window"
     assert b["q_kv_only"] == [96, {"kv": 6}]
+
+
+def test_a_tiny_models_1_kib_pages_fill_the_pool_before_its_index(tmp_path):
+    """SGLang's controller backs up one prompt of 1 KiB pages (a tiny model at page_size 1) filling an eighth
+    of the pool file: nothing may be evicted, and the whole prompt must be an L3 hit. A pool sized before the
+    page was known had 4 KiB granules and one index slot per 16 KiB: a shard of the index filled at about
+    5 % of the file and evicted the prompt's pages, and the prompt then got no hit at all."""
+    pool = hh.shm_path("ctl-tiny")
+    try:
+        r = _run("tiny_prompt", pool, str(tmp_path), "v1")
+    finally:
+        if os.path.exists(pool):
+            os.unlink(pool)
+    assert r["page_bytes"] == 1024 and r["done"] == 8192
+    assert r["evictions"] == 0
+    assert r["stored"] == 8192 and r["hit"] == 8192
+    assert r["granule"] == 1024 and r["check_ok"]

@@ -46,10 +46,13 @@ def test_mla_page_bytes_become_an_exact_class(make_instance, pool_path, page_siz
     assert _exact_class_in_file(pool_path, per_token * page_size)
 
 
-def test_page_below_one_granule_still_registers_and_round_trips(make_instance):
-    """A 1-layer MLA page (1152 B) is below the pool's 4 KiB granule: no exact class, but it must work."""
+def test_a_page_below_4_kib_gets_an_exact_class_in_the_pool_it_creates(make_instance, pool_path):
+    """A 1-layer MLA page (1152 B) is below the default 4 KiB granule: the pool this instance creates gets a
+    granule that fits it, so the page has an exact class instead of a 4 KiB block."""
     host, backend = make_instance(kind="mla", pages=4, host_kw=dict(layer_num=1))
     assert backend.page_bytes == 1152
+    assert backend.store.geo.granule == 1024
+    assert _exact_class_in_file(pool_path, 1152)
     hh.fill_random(host, 5)
     keys = prompt_keys(2, "tiny")
     assert backend.batch_set_v1(keys, page_indices(host, 0, 2)) == [True, True]

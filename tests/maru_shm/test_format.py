@@ -14,7 +14,7 @@ from maru_shm import (CorruptPoolError, NotAPoolError, PermissionDeniedError, Si
                       StoreError, TruncatedPoolError, VersionError)
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
                              META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
-                             SUPERBLOCK_SIZE, U32, VERSION, Geometry)
+                             SUPERBLOCK_SIZE, U32, VERSION, Geometry, granule_for, shard_limit)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -79,8 +79,36 @@ def test_plan_uses_the_space_it_has():
         assert slack < 2 * per_unit + g.index_slots * ENTRY_SIZE, (size, slack)
 
 
+@pytest.mark.parametrize("size", [16 * MiB, 256 * MiB, 4 * GiB])
+@pytest.mark.parametrize("value", [1, 300, 1024, 1152, 3000, 8192, 131072])
+def test_a_pool_planned_for_a_value_size_holds_such_values_densely(size, value):
+    """A value at or above the granule gets an exact-fit block of its own size, and the index holds a data area
+    full of such values with every shard below its load limit (four standard deviations of hash imbalance)."""
+    g = Geometry.plan(size, value_size=value)
+    g.validate()
+    assert g.granule == granule_for(value) and g.unit_size <= 256 * g.granule
+    assert g.granule <= value or g.granule == 512
+    assert g.shortfalls(value) == []
+    mean = g.data_bytes // max(value, g.granule) / g.index_shards  # a value takes one block, a granule at least
+    assert shard_limit(g.shard_slots) >= mean + 4 * mean ** 0.5
+    default = Geometry.plan(size)
+    assert g.index_slots >= default.index_slots and g.granule <= default.granule
+    assert g.data_bytes >= 0.75 * size
+
+
+def test_a_pool_planned_without_a_value_size_names_what_small_values_lack():
+    g = Geometry.plan(256 * MiB)
+    assert (g.granule, g.unit_size) == (4096, 256 << 10)
+    assert g.shortfalls(128 << 10) == []
+    granule, index = g.shortfalls(1024)
+    assert "1024-byte value takes a whole granule" in granule and "index would evict first" in index
+    assert granule_for(None) == granule_for(1 << 20) == 4096 and granule_for(1) == 512
+
+
 @pytest.mark.parametrize("size,kw", [
     (64 << 10, {}),  # cannot hold one unit plus header
+    (64 * MiB, dict(value_size=0)),
+    (64 * MiB, dict(value_size=1.5)),
     (64 * MiB, dict(granule=3000)),
     (64 * MiB, dict(granule=256)),
     (64 * MiB, dict(unit_size=4096 * 512)),  # unit > 256 granules

@@ -420,3 +420,18 @@ def test_a_pin_ends_with_its_value_and_is_bounded(open_store):
     with pytest.raises(StoreError, match="pinned"):
         s.pin("one-too-many")
     assert s.pin("k")  # re-pinning a key already counted is fine
+
+
+def test_values_of_the_size_a_pool_is_created_for_fill_its_data_area_before_its_index(pool_path):
+    """1 KiB values in a pool created for them: 95 % of the data area is written and nothing is evicted (a pool
+    with the default index, one slot per 16 KiB, evicts from a full shard at about a twentieth of it)."""
+    with Store.open(pool_path, "16M", create=True, value_size=1024) as s:
+        s.declare_size(1024)
+        n = s.geo.data_bytes // 1024 * 95 // 100
+        value = os.urandom(1024)
+        for i in range(0, n, 512):
+            keys = [f"v{j}" for j in range(i, min(n, i + 512))]
+            assert all(s.batch_put(keys, [value] * len(keys)))
+        st = s.stats()
+        assert st["evictions"] == 0 and st["entries"] >= n
+        assert st["live_bytes"] == n * 1024 and s.batch_exists([f"v{j}" for j in range(n)]) == [True] * n
