@@ -1,7 +1,7 @@
 """The calls in flight inside one Store, so that close() never unmaps under a copy.
 
 A copy releases the GIL (ctypes.memmove, numpy, torch): another thread's close() that unmapped the pool
-then would turn that copy into a SIGSEGV in the host process (brief, invariant 6). Every public call
+then would turn that copy into a SIGSEGV in the host process (docs/FORMAT.md section 13: no signal escapes the store). Every public call
 enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
 to leave before the mapping goes.
 

@@ -5,7 +5,7 @@
     maru-shm check   PATH [--repair]
     maru-shm watch   PATH [--interval S] [--count N] [--json]
     maru-shm destroy PATH [--force]
-    maru-shm bench   [ARGS...]          (tools/bench.py, when installed)
+    maru-shm bench   [ARGS...]          (tools/benchmarks/, when installed)
 
 Exit status: 0 ok; 1 the pool is not in the state asked about (check found
 problems, destroy refused because live processes are attached); 2 the command
@@ -393,8 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_inspect)
 
     k = sub.add_parser("check", help="full consistency check (exit 1 if problems are found)",
-                       description="Verify every rule of docs/FORMAT.md while holding every lock; "
-                                   "with --repair rebuild derived state and free orphans, then check again.")
+                       description="Verify every rule of docs/FORMAT.md, one lock domain at a time: read-only, "
+                                   "writers keep working. What exited processes left for the next opener to "
+                                   "reap is reported as a note. With --repair, reap, rebuild derived state "
+                                   "and free orphans while holding every lock, then check again.")
     k.add_argument("path", metavar="PATH")
     k.add_argument("--repair", action="store_true", help="repair what the check finds")
     k.add_argument("--timeout", type=_positive_float, default=10.0,
@@ -420,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the process-table lock (default 5)")
     d.set_defaults(func=cmd_destroy)
 
-    sub.add_parser("bench", help="run the benchmark (tools/bench.py; arguments are passed to it)", add_help=False)
+    sub.add_parser("bench", help="run the benchmarks (tools/benchmarks/; arguments are passed to it)", add_help=False)
     return p
 
 

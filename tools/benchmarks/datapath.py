@@ -9,7 +9,7 @@ from .registry import figure, progress_of, scenario
 
 
 NAME = "datapath"
-# Goals against the all-core limit (BRIEF.md, issue 17): (128 KiB pages, 2 MiB pages)
+# Goals against the all-core limit (BENCHMARKS.md, "The data path"): (128 KiB pages, 2 MiB pages)
 ALL_CORE_GOALS = {"get": (0.8, 0.9), "set": (0.7, 0.9), "set_full": (0.6, 0.6)}
 
 
@@ -46,7 +46,7 @@ def bench_datapath(args) -> dict:
 
 def _thread_figures(row: dict) -> list[dict]:
     """The copy engine against the calling thread alone, on idle cores and beside one busy process per core
-    (issue 17: busy cores must cost at most 10 % against one thread), and the busy run's own limits."""
+    (the goal: busy cores cost at most 10 % against one thread), and the busy run's own limits."""
     figs = []
     busy = row["busy"]
     for op in ("set", "get"):
