@@ -1,8 +1,8 @@
 """The calls in flight inside one Store, so that close() never unmaps under a copy.
 
 A copy releases the GIL (ctypes.memmove, numpy, torch): another thread's close() that unmapped the pool
-then would turn that copy into a SIGSEGV in the host process (docs/FORMAT.md section 13: no signal escapes the store). Every public call
-enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
+then would turn that copy into a SIGSEGV in the host process, and no signal may escape the store
+(docs/FORMAT.md section 13). Every public call enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
 to leave before the mapping goes.
 
 Entering costs two list operations and no lock: list.append and list.pop are atomic under the GIL, and a
