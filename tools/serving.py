@@ -237,8 +237,11 @@ class Server:
         self.stop()
 
 
-def prompt(seed: int, length: int, vocab: int = DEMO_MODEL.vocab) -> list[int]:
-    """A reproducible prompt of `length` token ids (ids 0-2 are left out: they may be special)."""
+def prompt(seed: int | str, length: int, vocab: int = DEMO_MODEL.vocab) -> list[int]:
+    """A reproducible prompt of `length` token ids (ids 0-2 are left out: they may be special).
+
+    Distinct seeds give unrelated prompts; an int seed is used by its absolute value (random.seed's rule),
+    so -1 and 1 give the same prompt."""
     import random
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
@@ -270,10 +273,10 @@ def warm_up(writer: Server, reader: Server, spec: ServerSpec) -> None:
     """A short prompt written through by `writer`, then read from L3 by `reader`, whose caches are then
     flushed: a server's first requests pay one-time costs (loading SGLang's page-hash extension, first
     kernel calls) that are not what time to first token measures."""
-    w = prompt(0, 4 * spec.page_size + 1)
+    w = prompt("warm-up: written", 4 * spec.page_size + 1)
     before = stored_pages(spec)
     writer.generate(w, 1)
     wait_until_stored(spec, before + 4)
     reader.generate(w, 1)
-    reader.generate(prompt(-1, 4 * spec.page_size + 1), 1)
+    reader.generate(prompt("warm-up: computed", 4 * spec.page_size + 1), 1)
     reader.flush_device_and_host()
