@@ -21,9 +21,10 @@ SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight"
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_min_page_bytes", "maru_instance_id",
     "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_prefix_eviction", "maru_tier2",
-    "maru_tier2_retry_s", *SERVER_ONLY_KEYS,
+    "maru_tier2_retry_s", "maru_heal_retry_s", *SERVER_ONLY_KEYS,
 }
 DEFAULT_TIER2_RETRY_S = 2.0
+DEFAULT_HEAL_RETRY_S = 1.0
 
 
 def _bool(value, key: str) -> bool:
@@ -50,6 +51,7 @@ class MaruConfig:
     prefix_eviction: bool = True  # record how pages relate, so eviction keeps what can still be a hit
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
+    heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "MaruConfig":
@@ -107,6 +109,8 @@ class MaruConfig:
             kw["tier2"] = _tier2_settings(extra["maru_tier2"])
         if "maru_tier2_retry_s" in extra:
             kw["tier2_retry_s"] = _seconds(extra["maru_tier2_retry_s"], "maru_tier2_retry_s", 0.05, 3600)
+        if "maru_heal_retry_s" in extra:
+            kw["heal_retry_s"] = _seconds(extra["maru_heal_retry_s"], "maru_heal_retry_s", 0.01, 3600)
         kw["instance_id"] = str(extra.get("maru_instance_id") or uuid.uuid4().hex[:12])
         return cls(**kw)
 

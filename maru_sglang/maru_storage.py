@@ -16,6 +16,9 @@ same pool file and moves pages directly between its host pool and the file.
   exactly, and only from the same model, ranks and KV format.
 - Batch calls never raise into SGLang's storage threads: failures are logged
   once per cause and reported as False.
+- The pool heals: truncated, removed (`maru-shm destroy --force`) or re-created
+  under the server, it is detached and reopened with backoff, and calls answer
+  misses meanwhile (maru_sglang.pool).
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 """
@@ -34,7 +37,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
                                                   HiCacheStorageExtraInfo, PoolTransfer, PoolTransferResult)
 
-from maru_shm import Store, format_size
+from maru_shm import Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
@@ -57,13 +60,14 @@ class MaruStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.config = MaruConfig.from_extra_config(storage_config.extra_config if storage_config else None)
         self.is_writer = bool(storage_config.is_storage_writer) if storage_config else True
-        self.pool = SharedPool(self.config)  # the store, attached once the page sizes are known
         self.mem_pool_host = None
         self.page_bytes: int | None = None
         self.pieces_per_page = 0
         self._logged: set = set()
         self._lock = threading.Lock()
         self.keyspace = KeySpace(lambda: self.store, self.log_once)  # whose pages these are, and the clear() nonce
+        # the store, attached once the page sizes are known, and reopened (the namespace adopted) if lost
+        self.pool = SharedPool(self.config, on_reattach=self.keyspace.adopt)
         self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
         self.lineage = Lineage(self, self.config.prefix_eviction)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
@@ -78,8 +82,9 @@ class MaruStorage(HiCacheStorage):
     # ------------------------------------------------------------ setup
     @property
     def store(self) -> Store:
-        """The pool, attached on first use: on_host_pools_registered(), once every page size is known."""
-        store = self.pool.store
+        """The pool, attached on first use: on_host_pools_registered(), once every page size is known.
+        Raises PoolDetachedError (a StoreError) while a lost pool is reopened."""
+        store = self.pool.current()
         return store if store is not None else self._attach()
 
     def _attach(self) -> Store:
@@ -155,7 +160,10 @@ class MaruStorage(HiCacheStorage):
         return self.keyspace.digests(keys)
 
     def log_once(self, what: str, exc: BaseException) -> None:
-        """Log a failure once per cause: the storage threads call us in a loop, and never see us raise."""
+        """Log a failure once per cause: the storage threads call us in a loop, and never see us raise.
+        A store failure that shows the pool lost is not logged here: SharedPool detaches and logs it once."""
+        if isinstance(exc, StoreError) and self.pool.failed(exc):
+            return
         cause = (what, type(exc).__name__, str(exc)[:200])
         with self._lock:
             if cause in self._logged:
@@ -430,7 +438,7 @@ class MaruStorage(HiCacheStorage):
             pool = {}
         mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
                      "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes,
-                     "pools": self.hybrid.stats()})
+                     "pools": self.hybrid.stats(), "pool": self.pool.stats()})
         if self.tier2 is not None:
             mine["tier2"] = self.tier2.stats()
         m.maru = mine

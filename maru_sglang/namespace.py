@@ -94,15 +94,24 @@ class KeySpace:
         cached = self._cache
         if cached is not None and now - cached[0] < NONCE_REFRESH_S:
             return cached[1]
-        nonce = self.store.get(self.record)
+        return self._load(self.store, now)
+
+    def adopt(self, store) -> None:
+        """A reopened pool (SharedPool healed): the nonce read or restored there before any call uses it."""
+        self._cache = None
+        if self.base is not None:
+            self._load(store, time.monotonic())
+
+    def _load(self, store, now: float) -> str:
+        nonce = store.get(self.record)
         if nonce is None or len(nonce) != NONCE_BYTES:
             # Never written, or lost. Restore the nonce this process last saw rather than drawing a new one:
             # losing this record must not hide every page of the namespace. Only clear() changes the nonce.
             # The first writer wins (skip_existing), so processes that disagree converge on one record.
             known = self._nonce if self._nonce is not None else os.urandom(NONCE_BYTES)
-            self.store.batch_put([self.record], [known], skip_existing=True)
-            self._pin()
-            nonce = self.store.get(self.record) or known
+            store.batch_put([self.record], [known], skip_existing=True)
+            self._pin(store)
+            nonce = store.get(self.record) or known
         self._nonce = nonce
         prefix = f"{self.base}|{nonce.hex()}/"
         self._cache = (now, prefix)
@@ -129,11 +138,11 @@ class KeySpace:
         """Retire the namespace: a new nonce, written and pinned."""
         self._nonce = os.urandom(NONCE_BYTES)
         self.store.put(self.record, self._nonce)
-        self._pin()
+        self._pin(self.store)
         self._cache = None
 
-    def _pin(self) -> None:
+    def _pin(self, store) -> None:
         try:
-            self.store.pin(self.record)
+            store.pin(self.record)
         except StoreError as e:
             self._log_once("pinning the namespace record", e)

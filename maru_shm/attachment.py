@@ -38,6 +38,8 @@ class Attachment:
         self.data_view = memoryview(pf.mm)[pf.geo.off_data:pf.geo.off_data + pf.geo.data_bytes]
         self.header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what check_intact expects
         self.damage: StoreError | None = None
+        st = os.fstat(pf.fd)
+        self.identity = (st.st_dev, st.st_ino)  # the file mapped: what `path` must still name (lost())
 
     # ---------------------------------------------------------------- damage
     def check_intact(self) -> None:
@@ -67,6 +69,21 @@ class Attachment:
         return PoolDamagedError(
             f"the header of {self.path} changed under this process (the pool was overwritten or re-created): its "
             "contents are gone; close this store and open the pool again")
+
+    def lost(self) -> StoreError | None:
+        """Why this mapping no longer shows the pool at `path`, or None: the damage check_intact found, or
+        `path` removed or naming another file (`maru-shm destroy`, or re-created by someone else). Such a
+        mapping still works, on a file no new opener finds. One stat; nothing mapped is read."""
+        if self.damage is not None:
+            return self.damage
+        try:
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self.identity:
+                return None
+        except OSError:
+            pass
+        return PoolDamagedError(f"{self.path} was removed or replaced under this process: this store maps a file "
+                                "no new opener finds; close it and open the pool again")
 
     # ---------------------------------------------------------------- teardown
     def release(self, close_file: bool = True) -> None:

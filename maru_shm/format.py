@@ -31,6 +31,7 @@ DEMAND_EPOCH_OFF = 400  # u32: demand epoch (hint, no lock): class demand counte
 DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no lock)
 FREE_FLOOR_OFF = 416    # u32: no unit below it is FREE (hint, POOL lock): where the search for free units starts
 DOOM_CURSOR_OFF = 420   # u32: next doom ring entry to write (hint, no lock; section 6a)
+HEALS_OFF = 424         # u64: processes that attached after losing their previous pool (PROC lock)
 STATE_READY = 2
 
 FLAG_DEVICE = 1

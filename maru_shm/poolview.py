@@ -26,10 +26,10 @@ import numpy as np
 from . import faultguard
 from .errors import NotAPoolError, PoolDamagedError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
-                     KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
-                     LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED,
-                     RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY, SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD,
-                     VERSION, Geometry)
+                     HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
+                     LOCK_PROC, LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE,
+                     PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY,
+                     SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
 from .poolfile import dax_size, open_existing, side_lock_path
 from .allocator.relations import Relations
@@ -382,12 +382,14 @@ def _counters(v: PoolView, procs: list[dict]) -> dict:
     for p in procs:
         for i, name in enumerate(COUNTER_NAMES):
             total[i] += p["counters"][name]
-    return dict(zip(COUNTER_NAMES, (t & (2**64 - 1) for t in total)))
+    out = dict(zip(COUNTER_NAMES, (t & (2**64 - 1) for t in total)))
+    out["heals"] = int(np.frombuffer(v.mm, dtype="<u8", count=1, offset=HEALS_OFF)[0])  # one 8-byte load
+    return out
 
 
 @_intact
 def counters(src) -> dict:
-    """Pool-wide counters: retired totals plus every claimed slot's own."""
+    """Pool-wide counters: retired totals plus every claimed slot's own, and the pool's `heals`."""
     v = _as_view(src)
     return _counters(v, _processes(v))
 

@@ -13,7 +13,8 @@ import time
 from . import crashpoints as _cp
 from .attachment import Attachment
 from .errors import StoreError
-from .format import COUNTERS, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF, SLOT_LOCK_BASE
+from .format import (COUNTERS, HEALS_OFF, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF,
+                     SLOT_LOCK_BASE, U64, store_u64)
 from .locks import ofd_is_held, ofd_trylock, ofd_unlock
 
 _U64_MASK = 2**64 - 1
@@ -85,6 +86,13 @@ class ProcessTable:
         total = COUNTERS.unpack_from(mm, RETIRED_OFF)
         COUNTERS.pack_into(mm, RETIRED_OFF, *[(a + b) & _U64_MASK for a, b in zip(total, own)])
         mm[o:o + PROC_ENTRY] = bytes(PROC_ENTRY)
+
+    def count_heal(self) -> None:
+        """One more process attached after losing its previous pool (FORMAT.md section 2, `heals`): under PROC,
+        and written as one 8-byte store, so a reader without the lock sees the old count or the new one."""
+        mm = self.att.mm
+        with self.att.locks.hold(LOCK_PROC):
+            store_u64(mm, HEALS_OFF, (U64.unpack_from(mm, HEALS_OFF)[0] + 1) & _U64_MASK)
 
     def detach(self, settle) -> None:
         """Give up our slot: `settle(slot)` what it still owns, retire it, drop its SLOT lock.

@@ -273,6 +273,9 @@ class Store:
     index = property(lambda self: self.att.index)
     alloc = property(lambda self: self.att.alloc)
     slot = property(lambda self: self.procs.slot)
+    timeout = property(lambda self: self.locks.timeout)
+    max_value = property(lambda self: self.geo.max_value)
+    data_address = property(lambda self: self.att.data)  # the data area's address here (benchmarks' raw copies)
 
     def __enter__(self) -> "Store":
         return self
@@ -282,19 +285,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<maru_shm.Store {self.path!r} slot={self.slot} {'closed' if self._closed else 'open'}>"
-
-    @property
-    def timeout(self) -> float:
-        return self.locks.timeout
-
-    @property
-    def data_address(self) -> int:
-        """Address of the data area in this process (for benchmarks comparing raw copies)."""
-        return self.att.data
-
-    @property
-    def max_value(self) -> int:
-        return self.geo.max_value
 
     @_entry
     def populate(self) -> None:
@@ -346,7 +336,18 @@ class Store:
                                   "store was opened before fork() by the parent process; open the pool again "
                                   "in this process (the slot, locks and kept blocks are the parent's)")
 
+    def lost(self) -> StoreError | None:
+        """Why this store no longer serves the pool at its path, or None: damage a call found, or the path
+        removed or naming another file (Attachment.lost). Works on a damaged store; one stat, no lock."""
+        return self.att.lost()
+
     # ---------------------------------------------------------------- processes and counters
+    @_entry
+    def count_heal(self) -> None:
+        """Count in the pool that this process attached to it after losing its previous pool (a client that
+        reopens one, as MaruStorage does): `heals` in stats() and `maru-shm inspect` (FORMAT.md section 2)."""
+        self.procs.count_heal()
+
     @_entry
     def reap_dead(self) -> int:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""

@@ -235,6 +235,40 @@ def test_calls_after_close_raise_pool_closed(pool_path):
             call()
 
 
+# ---------------------------------------------------------------- a lost pool, for clients that heal
+
+def test_lost_names_a_removed_replaced_or_damaged_pool_and_heals_are_counted_in_the_new_one(pool_path):
+    out = run_py("""
+        import os, sys
+        from maru_shm import PoolDamagedError, PoolView, Store, pool_report
+        path = sys.argv[1]
+        s = Store.open(path, "8M", create=True)
+        assert s.lost() is None
+        os.unlink(path)                              # maru-shm destroy --force
+        assert "removed or replaced" in str(s.lost()) and s.get("k") is None  # the mapping itself still works
+        t = Store.open(path, "8M", create=True)      # another instance creates a new pool at the path
+        assert "removed or replaced" in str(s.lost()) and t.lost() is None
+        s.close()
+        t.count_heal(); t.count_heal()
+        assert t.stats()["heals"] == 2
+        with PoolView.open(path) as v:
+            assert pool_report(v)["counters"]["heals"] == 2
+        os.truncate(path, 0)
+        try:
+            t.get("k")
+        except PoolDamagedError as e:
+            assert t.lost() is e                     # the damage a call met, still named after it
+        else:
+            raise SystemExit("a call on a truncated pool did not raise")
+        t.close()
+        assert "truncated" in str(t.lost())
+        with Store.open(path, "8M", create=True) as u:   # formatted again: a new pool's count starts at 0
+            assert u.lost() is None and u.stats()["heals"] == 0
+        print("ok")
+    """, pool_path)
+    assert "ok" in out
+
+
 # ---------------------------------------------------------------- a tmpfs too small for the pool
 
 def test_attaching_to_a_sparse_pool_that_cannot_be_backed_is_refused(small_tmpfs):
