@@ -42,8 +42,9 @@ from maru_shm import Store, StoreError, format_size
 from .config import MaruConfig
 from .hybrid import HybridPools
 from .lineage import Lineage
+from .localtier import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
-from .pages import host_indices_fit, page_pieces, store_pages
+from .pages import host_indices_fit, store_pages
 from .pool import SharedPool
 from .tier2 import SecondTier
 from .twotier import TwoTiers
@@ -61,23 +62,25 @@ class MaruStorage(HiCacheStorage):
         self.config = MaruConfig.from_extra_config(storage_config.extra_config if storage_config else None)
         self.is_writer = bool(storage_config.is_storage_writer) if storage_config else True
         self.mem_pool_host = None
-        self.page_bytes: int | None = None
-        self.pieces_per_page = 0
         self._logged: set = set()
         self._lock = threading.Lock()
         self.keyspace = KeySpace(lambda: self.store, self.log_once)  # whose pages these are, and the clear() nonce
         # the store, attached once the page sizes are known, and reopened (the namespace adopted) if lost
         self.pool = SharedPool(self.config, on_reattach=self.keyspace.adopt)
         self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
+        self.local = LocalTier(lambda: self.store, self.keyspace, self.hybrid, self.is_writer, self.log_once)
         self.lineage = Lineage(self, self.config.prefix_eviction)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
-        self._stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
-                       "set_failed": 0}
-        self._prefetch_pgs: list[int] = []
-        self._backup_pgs: list[int] = []
-        self._prefetch_bw: list[float] = []
-        self._backup_bw: list[float] = []
+
+    @property
+    def page_bytes(self) -> int | None:
+        """Bytes of one KV page; None before register_mem_pool_host()."""
+        return self.local.page_bytes
+
+    @property
+    def pieces_per_page(self) -> int:
+        return self.local.pieces_per_page
 
     # ------------------------------------------------------------ setup
     @property
@@ -126,8 +129,7 @@ class MaruStorage(HiCacheStorage):
             logger.warning("maru: maru_chunk_size_bytes=%d ignored: pages are stored in an exact %d-byte class",
                            self.config.chunk_size_bytes, page_bytes)
         self.pool.declare(page_bytes, "MaruStorage")
-        self.page_bytes = page_bytes
-        self.pieces_per_page = len(ptrs)
+        self.local.bind(mem_pool_host, page_bytes, len(ptrs))
         # v1 stores the pieces in get_page_buffer_meta order, legacy the flat get_data_page tensor; for
         # layer_first MHA these orders differ (K0 V0 K1 V1.. vs K0 K1.. V0 V1..), so they get separate keys.
         io = "pieces" if self.uses_pieces else "flat"
@@ -142,8 +144,7 @@ class MaruStorage(HiCacheStorage):
         SGLang still writes and looks up one object per KV page (HiCacheFile writes an empty file per page
         via get_data_page, which is empty here); the page data lives in the side pools registered through v2.
         """
-        self.page_bytes = 0
-        self.pieces_per_page = 0
+        self.local.bind(mem_pool_host, 0, 0)
         fp = kv_format_fingerprint(mem_pool_host, 0, 0, io="pieces" if self.uses_pieces else "flat")
         self.keyspace.set_base(f"{namespace_for(self.storage_config)}|fmt-{fp}")
         logger.info("maru: logical KV anchor %s (page of %d tokens, no KV bytes); namespace %s",
@@ -172,9 +173,6 @@ class MaruStorage(HiCacheStorage):
         logger.error("maru: %s failed: %s: %s (further identical failures are not logged)",
                      what, type(exc).__name__, exc)
 
-    def _pieces(self, host_indices, n: int) -> np.ndarray:
-        return page_pieces(self.mem_pool_host, host_indices, n, self.pieces_per_page, name="host pool")
-
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
@@ -184,18 +182,8 @@ class MaruStorage(HiCacheStorage):
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 
     def local_exists(self, keys: List[str]) -> int:
-        try:
-            if not keys:
-                return 0
-            # a prefix query usually misses at once, or hits throughout: probe the first key alone first
-            if self.store.length_of(digest=self.keyspace.digest(keys[0])) != self.page_bytes:
-                return 0
-            if len(keys) == 1:
-                return 1
-            return self.store.leading_hits(length=self.page_bytes, digests=self.keyspace.digests(keys))
-        except Exception as e:
-            self.log_once("batch_exists", e)
-            return 0
+        """The pool's leading run alone (the second tier not asked)."""
+        return self.local.exists(keys)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -206,17 +194,7 @@ class MaruStorage(HiCacheStorage):
         return self.tiers.fill(keys, host_indices, res) if self.tiers is not None and keys else res
 
     def local_get_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        if not keys:
-            return []
-        try:
-            t0 = time.perf_counter()
-            pieces = self._pieces(host_indices, len(keys))
-            res = self.store.batch_get_pieces(keys, pieces, digests=self._digests(keys))
-            self._account(res, t0, read=True)
-            return res
-        except Exception as e:
-            self.log_once("batch_get_v1", e)
-            return [False] * len(keys)
+        return self.local.get_v1(keys, host_indices)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -232,28 +210,7 @@ class MaruStorage(HiCacheStorage):
         return res
 
     def local_set_v1(self, keys: List[str], host_indices: torch.Tensor, relations=None) -> List[bool]:
-        if not keys:
-            return []
-        if not self.is_writer:
-            return [True] * len(keys)  # MLA: one writer rank stores the shared pages
-        try:
-            t0 = time.perf_counter()
-            pieces = self._pieces(host_indices, len(keys))
-            res, written = store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes, relations)
-            self._account(res, t0, read=False, written=written)
-            return res
-        except Exception as e:
-            self.log_once("batch_set_v1", e)
-            return [False] * len(keys)
-
-    def promote_v1(self, keys: List[str], host_indices) -> int:
-        """Store pages the second tier just loaded into the host pool; the number of pages written."""
-        try:
-            pieces = self._pieces(host_indices, len(keys))
-            return store_pages(self.store, keys, self._digests(keys), pieces, self.page_bytes)[1]
-        except Exception as e:
-            self.log_once("promoting pages from the second tier", e)
-            return 0
+        return self.local.set_v1(keys, host_indices, relations)
 
     # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -283,7 +240,7 @@ class MaruStorage(HiCacheStorage):
             self.tier2.register_v2(spec.host_pool, spec.name)
         self.tier2.start(self.storage_config, self.mem_pool_host, self.keyspace.tier_tag(self.hybrid.tags()),
                          status=(self.config.path, self.config.instance_id, self.config.mode, self.store.slot))
-        self.tiers = TwoTiers(self, self.tier2)
+        self.tiers = TwoTiers(self.local, self.tier2, self.is_writer, self.log_once)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
@@ -306,30 +263,6 @@ class MaruStorage(HiCacheStorage):
         if self.tiers is None:
             return res
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)
-
-    def promote_v2(self, transfers: List[PoolTransfer]) -> int:
-        """Store v2 pages the second tier just loaded; the number of pages the pool took."""
-        res = self.hybrid.batch_io_v2(self.hybrid.written_by_this_rank(transfers), write=True)
-        return sum(sum(r) for r in res.values())
-
-    def _account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
-        ok = sum(res)
-        dt = max(time.perf_counter() - t0, 1e-9)
-        gb = (ok if read else written) * (self.page_bytes or 0) / 1e9
-        with self._lock:
-            if read:
-                self._stats["hits"] += ok
-                self._stats["misses"] += len(res) - ok
-                self._stats["bytes_read"] += ok * (self.page_bytes or 0)
-                self._prefetch_pgs.append(ok)
-                self._prefetch_bw.append(gb / dt)
-            else:
-                self._stats["sets"] += written
-                self._stats["set_skipped"] += ok - written
-                self._stats["set_failed"] += len(res) - ok
-                self._stats["bytes_written"] += written * (self.page_bytes or 0)
-                self._backup_pgs.append(ok)
-                self._backup_bw.append(gb / dt)
 
     # ------------------------------------------------------------ legacy interface
     def _tensor_piece(self, t: torch.Tensor):
@@ -355,7 +288,7 @@ class MaruStorage(HiCacheStorage):
             t0 = time.perf_counter()
             pieces = [self._tensor_piece(t) for t in target_locations]
             res = self.store.batch_get_pieces(keys, pieces, digests=self._digests(keys))
-            self._account(res, t0, read=True)
+            self.local.account(res, t0, read=True)
             return [t if ok else None for t, ok in zip(target_locations, res)]
         except Exception as e:
             self.log_once("batch_get", e)
@@ -381,7 +314,7 @@ class MaruStorage(HiCacheStorage):
             if len(sizes) != 1:
                 raise ValueError(f"legacy pages of different sizes in one batch: {sorted(sizes)}")
             res, written = store_pages(self.store, keys, self._digests(keys), pieces, sizes.pop())
-            self._account(res, t0, read=False, written=written)
+            self.local.account(res, t0, read=False, written=written)
             return all(res)
         except Exception as e:
             self.log_once("batch_set", e)
@@ -420,16 +353,7 @@ class MaruStorage(HiCacheStorage):
         """SGLang StorageMetrics (drained per call) with a `maru` dict: hits, misses, bytes, evictions."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
         m = StorageMetrics()
-        with self._lock:
-            m.prefetch_pgs.extend(self._prefetch_pgs)
-            m.backup_pgs.extend(self._backup_pgs)
-            m.prefetch_bandwidth.extend(self._prefetch_bw)
-            m.backup_bandwidth.extend(self._backup_bw)
-            self._prefetch_pgs.clear()
-            self._backup_pgs.clear()
-            self._prefetch_bw.clear()
-            self._backup_bw.clear()
-            mine = dict(self._stats)
+        mine = self.local.drain(m)
         try:  # called from the scheduler loop: never raise into it
             store = self.pool.store  # None before the pool is attached and after close()
             pool = store.stats() if store is not None else {}

@@ -255,6 +255,25 @@ class SecondTier:
             self.went_down(f"{what} raised {type(e).__name__}")
             return fallback
 
+    # ------------------------------------------------------------ the tier's calls (twotier.Tier)
+    def exists(self, keys: List[str]) -> int:
+        return self.call("batch_exists", lambda c: c.batch_exists(keys), 0)
+
+    def get_v1(self, keys: List[str], host_indices) -> List[bool]:
+        return self.call("batch_get_v1", lambda c: c.batch_get_v1(keys, host_indices), [False] * len(keys))
+
+    def set_v1(self, keys: List[str], host_indices) -> List[bool]:
+        return self.call("batch_set_v1", lambda c: c.batch_set_v1(keys, host_indices), [False] * len(keys))
+
+    def exists_v2(self, keys: List[str], transfers):
+        return self.call("batch_exists_v2", lambda c: c.batch_exists_v2(keys, transfers), None)
+
+    def get_v2(self, transfers) -> dict:
+        return self.call("batch_get_v2", lambda c: c.batch_get_v2(transfers), {})
+
+    def set_v2(self, transfers) -> dict:
+        return self.call("batch_set_v2", lambda c: c.batch_set_v2(transfers), {})
+
     @property
     def attached(self) -> bool:
         return self.state == ATTACHED

@@ -17,11 +17,11 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
-from .tier2 import SecondTier
+from .localtier import LocalTier
 
 
 def _rows(host_indices, n_keys: int, rows: List[int]):
@@ -33,19 +33,39 @@ def _is_kv(name) -> bool:
     return name == PoolName.KV or str(getattr(name, "value", name)) == PoolName.KV.value
 
 
-class TwoTiers:
-    """The read and write rules across `storage`'s pool (MaruStorage) and its second tier."""
+class Tier(Protocol):
+    """What TwoTiers asks of a tier behind the pool (tier2.SecondTier): the v1 and v2 batch calls, each answered
+    as misses (reads) or "not written" (writes) while it is detached or when it fails, and its counters."""
 
-    def __init__(self, storage, tier: SecondTier):
-        self.storage = storage
+    attached: bool
+
+    def exists(self, keys: List[str]) -> int: ...
+    def get_v1(self, keys: List[str], host_indices) -> List[bool]: ...
+    def set_v1(self, keys: List[str], host_indices) -> List[bool]: ...
+    def exists_v2(self, keys: List[str], transfers) -> Optional[PoolTransferResult]: ...
+    def get_v2(self, transfers) -> Dict[Any, List[bool]]: ...
+    def set_v2(self, transfers) -> Dict[Any, List[bool]]: ...
+    def count(self, name: str, n: int = 1) -> None: ...
+
+
+class TwoTiers:
+    """The read and write rules across the pool (`local`) and the tier behind it (`tier`).
+
+    Calls go one way: the SGLang adapter (MaruStorage) calls this, this calls the two tiers. `is_writer`: this
+    rank stores pages (promotions too); `log_once(what, error)` logs a failure once per cause."""
+
+    def __init__(self, local: LocalTier, tier: Tier, is_writer: bool, log_once: Callable[[str, BaseException], None]):
+        self.local = local
         self.tier = tier
+        self.is_writer = is_writer
+        self._log_once = log_once
 
     # ------------------------------------------------------------ v1
     def exists(self, keys: List[str], local: int) -> int:
         if local >= len(keys) or not self.tier.attached:
             return local
         rest = keys[local:]
-        return local + int(self.tier.call("batch_exists", lambda c: c.batch_exists(rest), 0))
+        return local + int(self.tier.exists(rest))
 
     def fill(self, keys: List[str], host_indices, res: List[bool]) -> List[bool]:
         """Load the pool's misses from the tier into the host pool; promote what arrived."""
@@ -53,10 +73,10 @@ class TwoTiers:
         if not miss or not self.tier.attached:
             return res
         sub, idx = [keys[i] for i in miss], _rows(host_indices, len(keys), miss)
-        got = self.tier.call("batch_get_v1", lambda c: c.batch_get_v1(sub, idx), [False] * len(sub))
+        got = self.tier.get_v1(sub, idx)
         out, arrived = self._take(res, miss, got)
-        if arrived and self.storage.is_writer:
-            written = self.storage.promote_v1([sub[j] for j in arrived], _rows(idx, len(sub), arrived))
+        if arrived and self.is_writer:
+            written = self.local.promote_v1([sub[j] for j in arrived], _rows(idx, len(sub), arrived))
             self.tier.count("promoted", written)
         return out
 
@@ -74,7 +94,7 @@ class TwoTiers:
         if not self.tier.attached:
             self.tier.count("offline_writes", len(keys))
             return res
-        put = self.tier.call("batch_set_v1", lambda c: c.batch_set_v1(keys, host_indices), [False] * len(keys))
+        put = self.tier.set_v1(keys, host_indices)
         self._count_writes(put)
         return [a or bool(b) for a, b in zip(res, put)]
 
@@ -83,7 +103,7 @@ class TwoTiers:
         self.tier.count("written", ok)
         if ok < len(put):
             self.tier.count("write_failed", len(put) - ok)
-            self.storage.log_once("tier2: write-through", RuntimeError(
+            self._log_once("tier2: write-through", RuntimeError(
                 "Mooncake did not take some pages (full segments, or a transfer error); they stay in the pool "
                 "only. Counted in get_stats().maru['tier2']['write_failed']"))
 
@@ -91,7 +111,7 @@ class TwoTiers:
     def exists_v2(self, keys: List[str], transfers, local: PoolTransferResult) -> PoolTransferResult:
         if local.kv_hit_pages >= len(keys) or not self.tier.attached:
             return local
-        theirs = self.tier.call("batch_exists_v2", lambda c: c.batch_exists_v2(keys, transfers), None)
+        theirs = self.tier.exists_v2(keys, transfers)
         if theirs is not None and theirs.kv_hit_pages > local.kv_hit_pages:
             return theirs
         return local
@@ -115,7 +135,7 @@ class TwoTiers:
             where[t.name] = miss
         if not asks:
             return results
-        got = self.tier.call("batch_get_v2", lambda c: c.batch_get_v2(asks), {})
+        got = self.tier.get_v2(asks)
         back = []
         for ask in asks:
             results[ask.name], ok = self._take(results[ask.name], where[ask.name], got.get(ask.name, []))
@@ -123,7 +143,7 @@ class TwoTiers:
                 back.append(dataclasses.replace(ask, keys=[ask.keys[j] for j in ok],
                                                 host_indices=_rows(ask.host_indices, len(ask.keys), ok)))
         if back:
-            self.tier.count("promoted", self.storage.promote_v2(back))
+            self.tier.count("promoted", self.local.promote_v2(back))
         return results
 
     def write_through_v2(self, transfers, results: Dict[Any, List[bool]]) -> Dict[Any, List[bool]]:
@@ -136,7 +156,7 @@ class TwoTiers:
         if not self.tier.attached:
             self.tier.count("offline_writes", sum(len(t.keys) for t in side))
             return results
-        put = self.tier.call("batch_set_v2", lambda c: c.batch_set_v2(side), {})
+        put = self.tier.set_v2(side)
         for t in side:
             theirs = put.get(t.name, [False] * len(t.keys))
             self._count_writes(theirs)

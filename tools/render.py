@@ -11,29 +11,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+from maru_shm import format_size
 
 
 # --------------------------------------------------------------------------- human units
 def size(n) -> str:
     """Bytes in binary units with three significant digits: 4480 -> '4.38 KiB'."""
-    n = float(n)
-    for unit in _UNITS:
-        if abs(n) < 1024 or unit == _UNITS[-1]:
-            if unit == "B":
-                return f"{int(n)} B"
-            return f"{n:.3g} {unit}" if abs(n) < 1000 else f"{n:.0f} {unit}"
-        n /= 1024
-    return f"{n:.0f} {_UNITS[-1]}"
+    return format_size(n, style="short")
 
 
 def block(n) -> str:
     """A block size: in a binary unit when it is a whole number of one ('16 KiB'), else in bytes ('4,480 B')."""
-    n = int(n)
-    for i in range(len(_UNITS) - 1, 0, -1):
-        if n >= 1024 ** i and n % 1024 ** i == 0:
-            return f"{n // 1024 ** i} {_UNITS[i]}"
-    return f"{n:,} B"
+    return format_size(n, style="exact")
 
 
 def count(n) -> str:

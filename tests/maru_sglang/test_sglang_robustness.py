@@ -81,9 +81,28 @@ class _AskedTier:
     def __init__(self):
         self.asked = []
 
-    def call(self, what, fn, fallback):
-        self.asked.append(what)
-        return fallback
+    def exists(self, keys):
+        self.asked.append("batch_exists")
+        return 0
+
+    def get_v1(self, keys, host_indices):
+        self.asked.append("batch_get_v1")
+        return [False] * len(keys)
+
+    def set_v1(self, keys, host_indices):
+        self.asked.append("batch_set_v1")
+        return [False] * len(keys)
+
+    def exists_v2(self, keys, transfers):
+        self.asked.append("batch_exists_v2")
+
+    def get_v2(self, transfers):
+        self.asked.append("batch_get_v2")
+        return {}
+
+    def set_v2(self, transfers):
+        self.asked.append("batch_set_v2")
+        return {}
 
     def count(self, name, n=1):
         pass
@@ -96,7 +115,7 @@ def test_refused_host_indices_never_reach_the_second_tier(mha_llama):
 
     host, backend = mha_llama
     tier = _AskedTier()
-    backend.tiers = TwoTiers(backend, tier)
+    backend.tiers = TwoTiers(backend.local, tier, backend.is_writer, backend.log_once)
     keys = prompt_keys(2, "oob-tier")
     inside = page_indices(host, 0, 2)
     assert backend.batch_get_v1(keys, inside) == [False, False] and tier.asked == ["batch_get_v1"]  # misses go on

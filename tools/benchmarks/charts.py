@@ -19,6 +19,8 @@ import json
 import os
 import sys
 
+from maru_shm import format_size
+
 OURS, PEER, PEER2, PEER3 = "#1f6feb", "#999999", "#d97706", "#6b7280"
 
 
@@ -42,11 +44,8 @@ def _footer(fig, doc: dict, note: str = "") -> None:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if n == int(n) else f"{n:.3g} {unit}"
-        n /= 1024
-    return str(n)
+    """Sizes in titles and axis labels: three significant digits ('128 KiB', '4.38 KiB')."""
+    return format_size(n, style="short")
 
 
 def chart_scaling(r: dict, doc: dict, path: str, note: str = "") -> str:

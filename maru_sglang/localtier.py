@@ -1,0 +1,144 @@
+"""The shared pool as the near tier: the KV pages of the registered host pool, moved with one store call a batch.
+
+MaruStorage (the SGLang adapter) and TwoTiers (which adds a second tier behind this one) both call it; it
+calls neither. It counts what SGLang's calls moved, for get_stats(); a promotion (pages another tier just
+loaded, stored here) is counted by the caller, not as a set.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, List
+
+import numpy as np
+
+from maru_shm import Store
+
+from .namespace import KeySpace
+from .pages import page_pieces, store_pages
+
+LogOnce = Callable[[str, BaseException], None]
+
+
+class LocalTier:
+    """v1 page I/O against the pool: leading run, load, store (skipping pages present), promotion; counted."""
+
+    def __init__(self, store: Callable[[], Store], keyspace: KeySpace, hybrid, is_writer: bool, log_once: LogOnce):
+        self._store = store  # the pool's store, attached on first use (MaruStorage.store)
+        self.keyspace = keyspace
+        self.hybrid = hybrid  # the v2 pools of hybrid models (maru_sglang.hybrid)
+        self.is_writer = is_writer
+        self._log_once = log_once
+        self.host_pool = None
+        self.page_bytes: int | None = None
+        self.pieces_per_page = 0
+        self._lock = threading.Lock()
+        self.stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
+                      "set_failed": 0}
+        self.prefetch_pgs: list[int] = []
+        self.backup_pgs: list[int] = []
+        self.prefetch_bw: list[float] = []
+        self.backup_bw: list[float] = []
+
+    def bind(self, host_pool, page_bytes: int, pieces_per_page: int) -> None:
+        """The registered KV host pool and its page: `pieces_per_page` pieces, `page_bytes` in all."""
+        self.host_pool, self.page_bytes, self.pieces_per_page = host_pool, page_bytes, pieces_per_page
+
+    def _pieces(self, host_indices, n: int) -> np.ndarray:
+        return page_pieces(self.host_pool, host_indices, n, self.pieces_per_page, name="host pool")
+
+    # ------------------------------------------------------------ v1
+    def exists(self, keys: List[str]) -> int:
+        """Length of the leading run of keys stored as whole pages."""
+        try:
+            if not keys:
+                return 0
+            store = self._store()
+            # a prefix query usually misses at once, or hits throughout: probe the first key alone first
+            if store.length_of(digest=self.keyspace.digest(keys[0])) != self.page_bytes:
+                return 0
+            if len(keys) == 1:
+                return 1
+            return store.leading_hits(length=self.page_bytes, digests=self.keyspace.digests(keys))
+        except Exception as e:
+            self._log_once("batch_exists", e)
+            return 0
+
+    def get_v1(self, keys: List[str], host_indices) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            t0 = time.perf_counter()
+            pieces = self._pieces(host_indices, len(keys))
+            res = self._store().batch_get_pieces(keys, pieces, digests=self.keyspace.digests(keys))
+            self.account(res, t0, read=True)
+            return res
+        except Exception as e:
+            self._log_once("batch_get_v1", e)
+            return [False] * len(keys)
+
+    def set_v1(self, keys: List[str], host_indices, relations=None) -> List[bool]:
+        if not keys:
+            return []
+        if not self.is_writer:
+            return [True] * len(keys)  # MLA: one writer rank stores the shared pages
+        try:
+            t0 = time.perf_counter()
+            pieces = self._pieces(host_indices, len(keys))
+            res, written = store_pages(self._store(), keys, self.keyspace.digests(keys), pieces, self.page_bytes,
+                                       relations)
+            self.account(res, t0, read=False, written=written)
+            return res
+        except Exception as e:
+            self._log_once("batch_set_v1", e)
+            return [False] * len(keys)
+
+    def promote_v1(self, keys: List[str], host_indices) -> int:
+        """Store pages another tier just loaded into the host pool; the number of pages written."""
+        try:
+            pieces = self._pieces(host_indices, len(keys))
+            return store_pages(self._store(), keys, self.keyspace.digests(keys), pieces, self.page_bytes)[1]
+        except Exception as e:
+            self._log_once("promoting pages from the second tier", e)
+            return 0
+
+    # ------------------------------------------------------------ v2 (hybrid models)
+    def promote_v2(self, transfers) -> int:
+        """Store v2 pages another tier just loaded; the number of pages the pool took."""
+        res = self.hybrid.batch_io_v2(self.hybrid.written_by_this_rank(transfers), write=True)
+        return sum(sum(r) for r in res.values())
+
+    # ------------------------------------------------------------ counts
+    def account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
+        """Count one call of SGLang's (v1 or legacy) that began at perf_counter() `t0`."""
+        ok = sum(res)
+        dt = max(time.perf_counter() - t0, 1e-9)
+        gb = (ok if read else written) * (self.page_bytes or 0) / 1e9
+        with self._lock:
+            if read:
+                self.stats["hits"] += ok
+                self.stats["misses"] += len(res) - ok
+                self.stats["bytes_read"] += ok * (self.page_bytes or 0)
+                self.prefetch_pgs.append(ok)
+                self.prefetch_bw.append(gb / dt)
+            else:
+                self.stats["sets"] += written
+                self.stats["set_skipped"] += ok - written
+                self.stats["set_failed"] += len(res) - ok
+                self.stats["bytes_written"] += written * (self.page_bytes or 0)
+                self.backup_pgs.append(ok)
+                self.backup_bw.append(gb / dt)
+
+    def drain(self, metrics) -> dict:
+        """Move the per-call figures into SGLang's StorageMetrics `metrics`; the running totals."""
+        with self._lock:
+            metrics.prefetch_pgs.extend(self.prefetch_pgs)
+            metrics.backup_pgs.extend(self.backup_pgs)
+            metrics.prefetch_bandwidth.extend(self.prefetch_bw)
+            metrics.backup_bandwidth.extend(self.backup_bw)
+            self.prefetch_pgs.clear()
+            self.backup_pgs.clear()
+            self.prefetch_bw.clear()
+            self.backup_bw.clear()
+            return dict(self.stats)
