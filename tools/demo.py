@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--model", help="a model directory to serve instead of the demo's dummy-weight Llama")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda with a GPU")
+    ap.add_argument("--dummy-weights", action="store_true",
+                    help="serve --model's geometry with random weights (a config.json is enough)")
     ap.add_argument("--keep", action="store_true", help="keep the pool file and the server logs")
     a = ap.parse_args(argv)
     if os.path.exists(a.pool):
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     model_path = a.model or DEMO_MODEL.write(work)
     model_line = (f"model: {a.model} on {a.device}" if a.model else f"model: {DEMO_MODEL.describe()}")
     spec = ServerSpec(model_path=model_path, pool=a.pool, pool_size=a.size, device=a.device,
-                      dummy_weights=a.model is None, max_tokens=max(20000, 3 * a.tokens))
+                      dummy_weights=a.model is None or a.dummy_weights, max_tokens=max(20000, 3 * a.tokens))
     print(f"pool {a.pool} ({a.size}), page size {spec.page_size} tokens; {model_line}; server logs in {work}")
     try:
         run = four_prompts(spec, a.tokens, a.new_tokens, log_dir=work, say=print)

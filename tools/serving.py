@@ -110,9 +110,9 @@ class ServerSpec:
                 "--max-total-tokens", str(self.max_tokens), "--random-seed", "1", "--skip-server-warmup",
                 "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-write-policy", "write_through",
                 "--hicache-mem-layout", "page_first_direct", "--hicache-storage-prefetch-policy", "wait_complete",
-                *backend, "--log-level", "warning"]
+                *backend, "--skip-tokenizer-init", "--log-level", "warning"]  # requests carry token ids
         if self.dummy_weights:
-            argv += ["--load-format", "dummy", "--skip-tokenizer-init"]
+            argv += ["--load-format", "dummy"]
         if self.device == "cpu":
             argv += ["--hicache-io-backend", "direct", "--sleep-on-idle"]
         return argv + list(self.extra_args)

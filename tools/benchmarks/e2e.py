@@ -60,7 +60,7 @@ def bench_e2e(args) -> dict:
     work = tempfile.mkdtemp(prefix="maru-bench-e2e-")
     model = getattr(args, "e2e_model", None)
     device = getattr(args, "e2e_device", None) or "cpu"
-    common = dict(model_path=model or DEMO_MODEL.write(work), device=device, dummy_weights=model is None,
+    common = dict(model_path=model or DEMO_MODEL.write(work), device=device, dummy_weights=model is None or getattr(args, "e2e_dummy_weights", False),
                   max_tokens=max(20000, 2 * max(lengths) + 64))
     pool = pool_path("e2e")
     file_dir = os.path.join("/dev/shm", f"maru-bench-e2e-file-{os.getpid()}")

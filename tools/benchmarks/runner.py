@@ -81,6 +81,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="prompt lengths in tokens (default 512,2048,8192)")
     g.add_argument("--e2e-model", help="a model directory to serve (default: the demo's dummy-weight Llama)")
     g.add_argument("--e2e-device", default="cpu", help="cpu, or cuda with a GPU")
+    g.add_argument("--e2e-dummy-weights", action="store_true",
+                   help="serve --e2e-model's geometry with random weights (a config.json is enough)")
     g = p.add_argument_group("scaling")
     g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
     g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
