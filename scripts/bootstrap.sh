@@ -5,6 +5,12 @@
 # requirements.txt); constraints.txt keeps torch/torchvision at the pair it pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# SGLang's HiCache hashes pages with a C++ extension (mem_cache/cpp_utils/native_hash.py) that torch
+# builds at first use, with no fallback: the demo's servers and the tests need g++, ninja and libcrypto.
+if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || [ ! -e /usr/include/openssl/sha.h ]; then
+    echo "bootstrap: installing g++, ninja-build and libssl-dev (SGLang's page-hash extension)" >&2
+    apt-get update -qq && apt-get install -y -qq g++ ninja-build libssl-dev
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp="$VENV/.maru-shm-pins"

@@ -6,11 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # tests/tools/test_cli.py drives `maru-shm inspect/watch` in a real terminal (tmux)
 command -v tmux >/dev/null || (apt-get update -qq && apt-get install -y -qq tmux)
-# tests/maru_sglang/test_sglang_controller.py runs SGLang's own cache controller, whose page hashes
-# (mem_cache/cpp_utils/native_hash.py) are a C++ extension torch builds at first use: g++, ninja, libcrypto
-if ! command -v g++ >/dev/null || ! command -v ninja >/dev/null || [ ! -e /usr/include/openssl/sha.h ]; then
-    apt-get update -qq && apt-get install -y -qq g++ ninja-build libssl-dev
-fi
 # tests/maru_sglang/test_tier2.py runs a real Mooncake Store (maru_tier2), whose wheel links libibverbs.so.1
 ldconfig -p | grep -q 'libibverbs\.so\.1 ' || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 exec .venv/bin/python -m pytest -n 4 "$@"
