@@ -51,7 +51,12 @@ def side_lock_path(path: str) -> str:
 
 
 class PoolFile:
-    """An open, mapped pool file: fd, lock fd, mmap, geometry."""
+    """An open, mapped pool file: fd, lock fd, mmap, geometry.
+
+    The lock fd is a description of its own (the pool file reopened, or a DAX device's side lock file),
+    never the one the mapping holds: the kernel drops an OFD lock with the last reference to its
+    description, and a mapping (this process's, or a fork()ed child's copy of it) holds one too.
+    """
 
     def __init__(self, fd: int, lock_fd: int, mm: mmap.mmap, geo: Geometry, path: str, is_device: bool,
                  created: bool):
@@ -205,8 +210,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         if is_device:
             dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
         check_owner(st, path, allow_foreign_owner, mode)
-        if is_device:
-            lock_fd = open_side_lock(path, mode, allow_foreign_owner)
+        lock_fd = open_side_lock(path, mode, allow_foreign_owner) if is_device else \
+            os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)  # see PoolFile
         if created and mode & 0o077:
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
         deadline = time.monotonic() + timeout

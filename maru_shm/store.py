@@ -54,10 +54,11 @@ MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 PIN_LIMIT = 64  # values one Store may pin (Store.pin)
 
-# Stores open in this process. A child made by fork() inherits them with the parent's process slot,
-# SLOT lock and lock descriptions (an OFD lock is shared by every copy of its descriptor), and its
-# kept blocks: using one there would act as the parent. The child marks them forked: every call
-# raises PoolClosedError, and close() only drops the child's copies of the mapping and descriptors.
+# Stores open in this process. A child made by fork() inherits them with the parent's process slot and
+# kept blocks: using one there would act as the parent. The child marks them forked: every call raises
+# PoolClosedError, and close() only drops the child's copies of the mapping and descriptors. (Its copies
+# of the lock descriptions are gone already: locks.py drops them at the fork, so the parent's death
+# releases its locks and slot even while the child lives.)
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
@@ -77,7 +78,7 @@ def _entry(method):
     def call(self, *args, **kwargs):
         locks = self.att.locks
         before = locks.held_now()
-        if self._forked or not self._fence.enter():  # (a forked child never touches the fence: its lock may be held)
+        if self._forked or not self._fence.enter():  # (a forked child never touches its copy of the fence)
             self._check_open()
             raise PoolClosedError("store is closed")
         try:
@@ -313,7 +314,7 @@ class Store:
             return
         self._closed = True
         _OPEN_STORES.discard(self)
-        if self._forked:  # a forked child's slot, locks and fence are its parent's: drop our copies only
+        if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
             self.att.release()
             return
         if not self._fence.shut_and_wait(CLOSE_WAIT):
