@@ -20,7 +20,6 @@ parts, each owning its own state:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
@@ -39,7 +38,7 @@ from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
 from .index import digest_array, key_digest
-from .pieces import Pieces
+from .pieces import Pieces, buffer_address, writable_bytes
 from .poolfile import PoolFile, ensure_backed, open_pool_file
 from .poolview import pool_stats
 from .proctable import ProcessTable
@@ -93,71 +92,6 @@ def _entry(method):
         finally:
             self._fence.leave()
     return call
-
-
-def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
-    """(address, nbytes, keepalive) of a C-contiguous buffer; anything else is refused.
-
-    Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
-    value loaded into it would be lost while the call reported a hit. `bytes` find their payload at a fixed
-    distance from id() (measured against ctypes at import, `_bytes_payload_offset`); other writable
-    buffers take ctypes' `from_buffer` (a fifth of numpy's cost), which refuses a non-contiguous one itself.
-    """
-    if type(buf) is bytes and not writable:
-        return (id(buf) + _BYTES_PAYLOAD if _BYTES_PAYLOAD is not None else _bytes_address(buf)), len(buf), buf
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        view = None
-    if view is not None and view.nbytes and not view.readonly:
-        try:
-            return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes, view
-        except TypeError:
-            pass  # not C-contiguous: numpy below says so
-    if isinstance(buf, np.ndarray):
-        arr = buf
-    else:
-        try:
-            arr = np.frombuffer(buf, dtype=np.uint8)
-        except (TypeError, ValueError, BufferError) as e:
-            raise TypeError(f"expected a C-contiguous buffer (bytes, bytearray, memoryview, numpy array): {e}") from None
-    if not arr.flags.c_contiguous:
-        raise TypeError("buffer must be C-contiguous (not a strided slice or a Fortran-order array); "
-                        "pass np.ascontiguousarray(...) and copy back")
-    if writable and not arr.flags.writeable:
-        raise TypeError("destination buffer is read-only")
-    arr = arr.reshape(-1).view(np.uint8)
-    return arr.ctypes.data, arr.nbytes, arr
-
-
-def _writable_bytes(buf) -> memoryview:
-    """A writable 1-D byte view of a C-contiguous buffer, for the single-key gets that copy into it by
-    slice assignment; anything else is refused with _buffer_address's errors (never a silent copy)."""
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        view = None
-    if view is not None and not view.readonly and view.c_contiguous:
-        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    _, _, arr = _buffer_address(buf, writable=True)  # raises, or gives a uint8 array over buf's bytes
-    return memoryview(arr).cast("B")
-
-
-def _bytes_address(b: bytes) -> int:
-    """Address of an immutable bytes object's payload (valid while `b` lives)."""
-    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
-
-
-def _bytes_payload_offset() -> int | None:
-    """Where this interpreter keeps a bytes object's payload from its id(), measured against ctypes on two
-    objects; None where id() is not an address. With it a put of bytes finds its source without
-    ctypes.cast, a fiftieth of a 4 KiB put."""
-    samples = (b"maru-shm bytes payload", bytes(range(256)) * 3)
-    offsets = {_bytes_address(b) - id(b) for b in samples}
-    return offsets.pop() if len(offsets) == 1 else None
-
-
-_BYTES_PAYLOAD = _bytes_payload_offset()
 
 
 def check_timeout(timeout) -> float:
@@ -402,7 +336,7 @@ class Store:
     @_entry
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
-        view = _writable_bytes(out)
+        view = writable_bytes(out)
         length = self.reader.get_one_into(key_digest(key), view)
         view.release()
         self.counters.count_get(length)
@@ -415,7 +349,7 @@ class Store:
             raise ValueError(f"{len(outs)} destination buffers for {len(keys)} keys")
         res: list[int | None] = []
         for key, out in zip(keys, outs):
-            view = _writable_bytes(out)
+            view = writable_bytes(out)
             res.append(self.reader.get_one_into(key_digest(key), view))
             view.release()
         hits = len(res) - res.count(None)
@@ -494,7 +428,7 @@ class Store:
 
         Raises ValueTooLargeError if no size class holds the value.
         """
-        addr, n, keep = _buffer_address(value, writable=False)
+        addr, n, keep = buffer_address(value, writable=False)
         if n > self.geo.max_value:
             raise ValueTooLargeError(f"value of {n} bytes exceeds the pool's largest class ({self.geo.max_value})")
         ok = self.batch_put_pieces([key], [[(addr, n)]])[0]
@@ -510,7 +444,7 @@ class Store:
         return self.batch_put_pieces([key], [pieces])[0]
 
     def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False, *, relations=None) -> list[bool]:
-        keeps = [_buffer_address(v, writable=False) for v in values]
+        keeps = [buffer_address(v, writable=False) for v in values]
         res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing,
                                     relations=relations)
         del keeps
