@@ -30,6 +30,7 @@ from . import crashpoints as _cp
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                      LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from .guard import guard
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
 # Whatever holds open descriptions that may carry this process's OFD locks (`lock_fds()`): a LockTable,
@@ -176,7 +177,7 @@ class LockTable:
         self.all_held_by = 0  # thread ident of a caller holding every lock (check), which must take none again
         self._local = threading.local()
         self._fds: list[int] = []  # every thread's description, closed by close()
-        self._guard = threading.Lock()
+        self._guard = guard()
         self._closed = False
         self._recs = None  # numpy view of the lock records (batch paths), made on first use
         self.timeouts = 0

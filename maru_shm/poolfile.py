@@ -63,13 +63,21 @@ class PoolFile:
         self.fd, self.lock_fd, self.mm, self.geo = fd, lock_fd, mm, geo
         self.path, self.is_device, self.created = path, is_device, created
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Unmap (unless not `unmap`) and close the descriptors. Idempotent: a number is forgotten before it
+        is closed, so a second close (after one an exception cut short) never closes a descriptor reused since."""
         try:
-            self.mm.close()
+            if unmap:
+                self.mm.close()
         finally:
-            if self.lock_fd != self.fd:
-                os.close(self.lock_fd)
-            os.close(self.fd)
+            try:
+                lock_fd, self.lock_fd = self.lock_fd, -1
+                if lock_fd != -1:
+                    os.close(lock_fd)
+            finally:
+                fd, self.fd = self.fd, -1
+                if fd != -1:
+                    os.close(fd)
 
 
 def is_private(mode: int) -> bool:

@@ -37,6 +37,7 @@ from .copyengine import CopyEngine, check_threads
 from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
+from .guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
 from .pieces import Pieces, buffer_address, writable_bytes
 from .poolfile import PoolFile, ensure_backed, open_pool_file
@@ -71,27 +72,39 @@ os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 def _entry(method):
     """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping. An exception that ends it
-    (KeyboardInterrupt, a signal handler's) leaves no lock of its own held (LockTable.release_stranded)."""
+    call fence while it runs, so that close() waits for it before unmapping. An exception raised at any
+    bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its own held
+    (guard.release_stranded, LockTable.release_stranded) and counts it out of the fence."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        locks = self.att.locks
+        locks, fence, token = self.att.locks, self._fence, object()
         before = locks.held_now()
-        if self._forked or not self._fence.enter():  # (a forked child never touches its copy of the fence)
-            self._check_open()
-            raise PoolClosedError("store is closed")
         try:
+            if self._forked or not fence.enter(token):
+                raise _refusal(self)
             self.att.check_intact()
             result = method(self, *args, **kwargs)
             if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
                 self.att.check_intact()
             return result
         except BaseException:
+            release_stranded_guards()
             locks.release_stranded(before)
             raise
         finally:
-            self._fence.leave()
+            # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
+            # of its bytecodes the exception meets, and leaving twice is leaving once.
+            try: fence.leave(token)
+            finally: fence.leave(token)
     return call
+
+
+def _refusal(store) -> PoolClosedError:
+    """Why a call is refused: the store is closed, or was opened by the parent of this forked process."""
+    if store._forked:
+        return PoolClosedError("store was opened before fork() by the parent process; open the pool again in "
+                               "this process (the slot, locks and kept blocks are the parent's)")
+    return PoolClosedError("store is closed")
 
 
 def check_timeout(timeout) -> float:
@@ -159,6 +172,7 @@ class Store:
         try:
             store = cls(pf, timeout, copy_threads)
         except BaseException:
+            release_stranded_guards()
             pf.close()
             raise
         if populate:
@@ -238,7 +252,8 @@ class Store:
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
-        """Detach: publish counters, free the process slot, unmap. Idempotent.
+        """Detach: publish counters, free the process slot, unmap. Idempotent; a close that an exception
+        (KeyboardInterrupt) cut short finishes when called again.
 
         Waits for calls in flight in other threads (CLOSE_WAIT s at most): the mapping is never unmapped
         under a copy. A call that outlives the wait keeps the mapping alive (it is left to the process's
@@ -246,33 +261,38 @@ class Store:
         """
         if self._closed:
             return
-        self._closed = True
+        try:
+            self._close()
+        except BaseException:
+            release_stranded_guards()
+            raise
+
+    def _close(self) -> None:
         _OPEN_STORES.discard(self)
         if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
             self.att.release()
+            self._closed = True
             return
         if not self._fence.shut_and_wait(CLOSE_WAIT):
+            self._closed = True
             return
         try:
-            if self.att.damage is None:
+            if self.att.released:
+                pass  # a close cut short once its release began: a slot still claimed is left to the reaper
+            elif self.att.damage is None:
                 self._detach()
             else:  # never write into a damaged mapping: give up the slot's lock only
                 self.procs.drop_slot_lock()
         finally:
             self.engine.close()
             self.att.release()
+        self._closed = True
 
     def _detach(self) -> None:
         """Publish counters, settle the blocks our slot still owns (a put that raised midway), retire the slot."""
         if self.procs.slot >= 0:
             self.counters.flush()
             self.procs.detach(self.reaper.settle)
-
-    def _check_open(self) -> None:
-        if self._closed or self._forked:
-            raise PoolClosedError("store is closed" if self._closed else
-                                  "store was opened before fork() by the parent process; open the pool again "
-                                  "in this process (the slot, locks and kept blocks are the parent's)")
 
     # ---------------------------------------------------------------- processes and counters
     @_entry
