@@ -40,6 +40,7 @@ class Attachment:
         self.damage: StoreError | None = None
         st = os.fstat(pf.fd)
         self.identity = (st.st_dev, st.st_ino)  # the file mapped: what `path` must still name (lost())
+        self.released = False  # release() has begun: nothing may be written through the mapping any more
 
     # ---------------------------------------------------------------- damage
     def check_intact(self) -> None:
@@ -87,14 +88,18 @@ class Attachment:
 
     # ---------------------------------------------------------------- teardown
     def release(self, close_file: bool = True) -> None:
-        """Unregister the guard, drop every view, close the lock table and the file (unmapping it)."""
+        """Unregister the guard, drop every view, close the lock table and the file (unmapping it).
+        Idempotent: a release that an exception cut short finishes when called again."""
+        self.released = True
         faultguard.unregister(self.faults)
+        views_gone = False
         try:
             self.release_views()
             self.locks.close()
+            views_gone = True
         finally:
-            if close_file:
-                self.pf.close()
+            if close_file:  # the descriptors whatever happened; the mapping only once no view of ours is left
+                self.pf.close(unmap=views_gone)
 
     def release_views(self) -> None:
         """Drop every view of the mapping (numpy arrays, the ctypes anchor): mmap.close() refuses while any lives."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import signal
-import threading
+
+from .guard import guard
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -53,7 +54,7 @@ class Guarded:
 
 
 _ranges: tuple = ()          # of Guarded; replaced whole (never mutated) so the handler reads it lock-free
-_lock = threading.Lock()     # serialises register/unregister and installation
+_lock = guard()  # serialises register/unregister and installation
 _previous = _SigAction()
 _installed = False
 

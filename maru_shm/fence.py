@@ -5,9 +5,11 @@ then would turn that copy into a SIGSEGV in the host process, and no signal may 
 (docs/FORMAT.md section 13). Every public call enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
 to leave before the mapping goes.
 
-Entering costs two list operations and no lock: list.append and list.pop are atomic under the GIL, and a
-call re-checks `shut` after counting itself in, so close() (which sets `shut` first, then waits for the
-list to empty) never misses a call that got in.
+Each call is counted in under a token of its own, and entering or leaving is one dict operation (atomic
+under the GIL, no lock); a call re-checks `shut` after counting itself in, so close() (which sets `shut`
+first, then waits for the calls to leave) never misses a call that got in. Leaving with a token that is
+not inside changes nothing: a call that an exception (KeyboardInterrupt) may have cut short anywhere in
+its entry or its exit leaves again, and is never counted in forever (close() would wait out its limit).
 """
 
 from __future__ import annotations
@@ -17,21 +19,22 @@ import time
 
 class CallFence:
     def __init__(self) -> None:
-        self._inside: list = []
+        self._inside: dict = {}  # token -> None, one per call inside
         self.shut = False
 
-    def enter(self) -> bool:
-        """Count one more call inside; False once the fence is shut."""
+    def enter(self, token) -> bool:
+        """Count the call under `token` in; False once the fence is shut."""
         if self.shut:
             return False
-        self._inside.append(None)
+        self._inside[token] = None
         if self.shut:
-            self._inside.pop()
+            self._inside.pop(token, None)
             return False
         return True
 
-    def leave(self) -> None:
-        self._inside.pop()
+    def leave(self, token) -> None:
+        """Count the call under `token` out, if it is in."""
+        self._inside.pop(token, None)
 
     def shut_and_wait(self, timeout: float) -> bool:
         """Let no new call in, then wait up to `timeout` s for those inside; True if none is left."""

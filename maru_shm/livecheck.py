@@ -30,7 +30,7 @@ from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, F
                      SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
 from .index import Index
 from .validity import entry_problem
-from .locks import flock_bytes, lock_name
+from .locks import carries_locks, flock_bytes, lock_name
 
 
 class ReadLocks:
@@ -40,6 +40,10 @@ class ReadLocks:
     def __init__(self, lock_fd: int, mm, off_records: int, timeout: float):
         self.fd = os.open(f"/proc/self/fd/{lock_fd}", os.O_RDONLY | os.O_CLOEXEC)
         self.mm, self.off_records, self.timeout = mm, off_records, timeout
+        carries_locks(self)
+
+    def lock_fds(self) -> list[int]:
+        return [] if self.fd < 0 else [self.fd]
 
     def _fcntl(self, kind: int, lock_id: int) -> None:
         fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_bytes(kind, lock_id))
@@ -66,7 +70,8 @@ class ReadLocks:
         self._fcntl(fcntl.F_UNLCK, lock_id)
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
 
 
 class NoLocks:

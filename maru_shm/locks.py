@@ -30,8 +30,12 @@ from . import crashpoints as _cp
 from .errors import LockTimeout
 from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                      LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from .guard import guard
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
+# Whatever holds open descriptions that may carry this process's OFD locks (`lock_fds()`): a LockTable,
+# the live check's read locks. A fork()ed child drops its copies of them (_drop_lock_descriptions_in_child).
+_CARRIERS: "weakref.WeakSet" = weakref.WeakSet()
 _F_WRLCK, _F_UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
 _YIELDS = 16  # sched_yield rounds before a waiter starts sleeping
 _NONE: frozenset = frozenset()
@@ -49,6 +53,31 @@ def lock_name(lock_id: int) -> str:
     if lock_id >= CLASS_LOCK_BASE:
         return f"CLASS[{lock_id - CLASS_LOCK_BASE}]"
     return f"LOCK[{lock_id}]"
+
+
+def carries_locks(carrier) -> None:
+    """Register an object whose `lock_fds()` names open descriptions that may carry our OFD locks."""
+    _CARRIERS.add(carrier)
+
+
+def _drop_lock_descriptions_in_child() -> None:
+    """After fork(), in the child: its copy of every description that may carry the parent's OFD locks is
+    replaced by /dev/null. An OFD lock belongs to its description, which lives while any process holds a
+    descriptor of it: a child holding copies would keep the parent's locks and SLOT (so its liveness) after
+    the parent died. The numbers stay open, so the child's close() finds what it expects, and the parent's
+    descriptors are not touched."""
+    fds = [fd for carrier in list(_CARRIERS) for fd in carrier.lock_fds()]
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in fds:
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_drop_lock_descriptions_in_child)
 
 
 def flock_bytes(kind: int, lock_id: int, n: int = 1) -> bytes:
@@ -148,10 +177,15 @@ class LockTable:
         self.all_held_by = 0  # thread ident of a caller holding every lock (check), which must take none again
         self._local = threading.local()
         self._fds: list[int] = []  # every thread's description, closed by close()
-        self._guard = threading.Lock()
+        self._guard = guard()
         self._closed = False
         self._recs = None  # numpy view of the lock records (batch paths), made on first use
         self.timeouts = 0
+        carries_locks(self)
+
+    def lock_fds(self) -> list[int]:
+        """The attachment's description (SLOT) and every thread's, until close()."""
+        return [] if self._closed else [self.fd, *self._fds]
 
     def _thread_fd(self):
         """(description, ids held) of the calling thread."""

@@ -51,20 +51,33 @@ def side_lock_path(path: str) -> str:
 
 
 class PoolFile:
-    """An open, mapped pool file: fd, lock fd, mmap, geometry."""
+    """An open, mapped pool file: fd, lock fd, mmap, geometry.
+
+    The lock fd is a description of its own (the pool file reopened, or a DAX device's side lock file),
+    never the one the mapping holds: the kernel drops an OFD lock with the last reference to its
+    description, and a mapping (this process's, or a fork()ed child's copy of it) holds one too.
+    """
 
     def __init__(self, fd: int, lock_fd: int, mm: mmap.mmap, geo: Geometry, path: str, is_device: bool,
                  created: bool):
         self.fd, self.lock_fd, self.mm, self.geo = fd, lock_fd, mm, geo
         self.path, self.is_device, self.created = path, is_device, created
 
-    def close(self) -> None:
+    def close(self, unmap: bool = True) -> None:
+        """Unmap (unless not `unmap`) and close the descriptors. Idempotent: a number is forgotten before it
+        is closed, so a second close (after one an exception cut short) never closes a descriptor reused since."""
         try:
-            self.mm.close()
+            if unmap:
+                self.mm.close()
         finally:
-            if self.lock_fd != self.fd:
-                os.close(self.lock_fd)
-            os.close(self.fd)
+            try:
+                lock_fd, self.lock_fd = self.lock_fd, -1
+                if lock_fd != -1:
+                    os.close(lock_fd)
+            finally:
+                fd, self.fd = self.fd, -1
+                if fd != -1:
+                    os.close(fd)
 
 
 def is_private(mode: int) -> bool:
@@ -205,8 +218,8 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         if is_device:
             dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
         check_owner(st, path, allow_foreign_owner, mode)
-        if is_device:
-            lock_fd = open_side_lock(path, mode, allow_foreign_owner)
+        lock_fd = open_side_lock(path, mode, allow_foreign_owner) if is_device else \
+            os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)  # see PoolFile
         if created and mode & 0o077:
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
         deadline = time.monotonic() + timeout

@@ -20,7 +20,6 @@ parts, each owning its own state:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import os
@@ -38,8 +37,9 @@ from .copyengine import CopyEngine, check_threads
 from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
+from .guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
-from .pieces import Pieces
+from .pieces import Pieces, buffer_address, writable_bytes
 from .poolfile import PoolFile, ensure_backed, open_pool_file
 from .poolview import pool_stats
 from .proctable import ProcessTable
@@ -54,10 +54,11 @@ MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 PIN_LIMIT = 64  # values one Store may pin (Store.pin)
 
-# Stores open in this process. A child made by fork() inherits them with the parent's process slot,
-# SLOT lock and lock descriptions (an OFD lock is shared by every copy of its descriptor), and its
-# kept blocks: using one there would act as the parent. The child marks them forked: every call
-# raises PoolClosedError, and close() only drops the child's copies of the mapping and descriptors.
+# Stores open in this process. A child made by fork() inherits them with the parent's process slot and
+# kept blocks: using one there would act as the parent. The child marks them forked: every call raises
+# PoolClosedError, and close() only drops the child's copies of the mapping and descriptors. (Its copies
+# of the lock descriptions are gone already: locks.py drops them at the fork, so the parent's death
+# releases its locks and slot even while the child lives.)
 _OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
 
 
@@ -71,92 +72,39 @@ os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 def _entry(method):
     """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping. An exception that ends it
-    (KeyboardInterrupt, a signal handler's) leaves no lock of its own held (LockTable.release_stranded)."""
+    call fence while it runs, so that close() waits for it before unmapping. An exception raised at any
+    bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its own held
+    (guard.release_stranded, LockTable.release_stranded) and counts it out of the fence."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        locks = self.att.locks
+        locks, fence, token = self.att.locks, self._fence, object()
         before = locks.held_now()
-        if self._forked or not self._fence.enter():  # (a forked child never touches the fence: its lock may be held)
-            self._check_open()
-            raise PoolClosedError("store is closed")
         try:
+            if self._forked or not fence.enter(token):
+                raise _refusal(self)
             self.att.check_intact()
             result = method(self, *args, **kwargs)
             if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
                 self.att.check_intact()
             return result
         except BaseException:
+            release_stranded_guards()
             locks.release_stranded(before)
             raise
         finally:
-            self._fence.leave()
+            # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
+            # of its bytecodes the exception meets, and leaving twice is leaving once.
+            try: fence.leave(token)
+            finally: fence.leave(token)
     return call
 
 
-def _buffer_address(buf, writable: bool) -> tuple[int, int, object]:
-    """(address, nbytes, keepalive) of a C-contiguous buffer; anything else is refused.
-
-    Never a silent copy: reshaping a non-contiguous array (a column slice, Fortran order) makes one, and a
-    value loaded into it would be lost while the call reported a hit. `bytes` find their payload at a fixed
-    distance from id() (measured against ctypes at import, `_bytes_payload_offset`); other writable
-    buffers take ctypes' `from_buffer` (a fifth of numpy's cost), which refuses a non-contiguous one itself.
-    """
-    if type(buf) is bytes and not writable:
-        return (id(buf) + _BYTES_PAYLOAD if _BYTES_PAYLOAD is not None else _bytes_address(buf)), len(buf), buf
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        view = None
-    if view is not None and view.nbytes and not view.readonly:
-        try:
-            return ctypes.addressof(ctypes.c_char.from_buffer(view)), view.nbytes, view
-        except TypeError:
-            pass  # not C-contiguous: numpy below says so
-    if isinstance(buf, np.ndarray):
-        arr = buf
-    else:
-        try:
-            arr = np.frombuffer(buf, dtype=np.uint8)
-        except (TypeError, ValueError, BufferError) as e:
-            raise TypeError(f"expected a C-contiguous buffer (bytes, bytearray, memoryview, numpy array): {e}") from None
-    if not arr.flags.c_contiguous:
-        raise TypeError("buffer must be C-contiguous (not a strided slice or a Fortran-order array); "
-                        "pass np.ascontiguousarray(...) and copy back")
-    if writable and not arr.flags.writeable:
-        raise TypeError("destination buffer is read-only")
-    arr = arr.reshape(-1).view(np.uint8)
-    return arr.ctypes.data, arr.nbytes, arr
-
-
-def _writable_bytes(buf) -> memoryview:
-    """A writable 1-D byte view of a C-contiguous buffer, for the single-key gets that copy into it by
-    slice assignment; anything else is refused with _buffer_address's errors (never a silent copy)."""
-    try:
-        view = memoryview(buf)
-    except TypeError:
-        view = None
-    if view is not None and not view.readonly and view.c_contiguous:
-        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    _, _, arr = _buffer_address(buf, writable=True)  # raises, or gives a uint8 array over buf's bytes
-    return memoryview(arr).cast("B")
-
-
-def _bytes_address(b: bytes) -> int:
-    """Address of an immutable bytes object's payload (valid while `b` lives)."""
-    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
-
-
-def _bytes_payload_offset() -> int | None:
-    """Where this interpreter keeps a bytes object's payload from its id(), measured against ctypes on two
-    objects; None where id() is not an address. With it a put of bytes finds its source without
-    ctypes.cast, a fiftieth of a 4 KiB put."""
-    samples = (b"maru-shm bytes payload", bytes(range(256)) * 3)
-    offsets = {_bytes_address(b) - id(b) for b in samples}
-    return offsets.pop() if len(offsets) == 1 else None
-
-
-_BYTES_PAYLOAD = _bytes_payload_offset()
+def _refusal(store) -> PoolClosedError:
+    """Why a call is refused: the store is closed, or was opened by the parent of this forked process."""
+    if store._forked:
+        return PoolClosedError("store was opened before fork() by the parent process; open the pool again in "
+                               "this process (the slot, locks and kept blocks are the parent's)")
+    return PoolClosedError("store is closed")
 
 
 def check_timeout(timeout) -> float:
@@ -231,6 +179,7 @@ class Store:
         try:
             store = cls(pf, timeout, copy_threads)
         except BaseException:
+            release_stranded_guards()
             pf.close()
             raise
         if populate:
@@ -300,7 +249,8 @@ class Store:
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
-        """Detach: publish counters, free the process slot, unmap. Idempotent.
+        """Detach: publish counters, free the process slot, unmap. Idempotent; a close that an exception
+        (KeyboardInterrupt) cut short finishes when called again.
 
         Waits for calls in flight in other threads (CLOSE_WAIT s at most): the mapping is never unmapped
         under a copy. A call that outlives the wait keeps the mapping alive (it is left to the process's
@@ -308,33 +258,38 @@ class Store:
         """
         if self._closed:
             return
-        self._closed = True
+        try:
+            self._close()
+        except BaseException:
+            release_stranded_guards()
+            raise
+
+    def _close(self) -> None:
         _OPEN_STORES.discard(self)
-        if self._forked:  # a forked child's slot, locks and fence are its parent's: drop our copies only
+        if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
             self.att.release()
+            self._closed = True
             return
         if not self._fence.shut_and_wait(CLOSE_WAIT):
+            self._closed = True
             return
         try:
-            if self.att.damage is None:
+            if self.att.released:
+                pass  # a close cut short once its release began: a slot still claimed is left to the reaper
+            elif self.att.damage is None:
                 self._detach()
             else:  # never write into a damaged mapping: give up the slot's lock only
                 self.procs.drop_slot_lock()
         finally:
             self.engine.close()
             self.att.release()
+        self._closed = True
 
     def _detach(self) -> None:
         """Publish counters, settle the blocks our slot still owns (a put that raised midway), retire the slot."""
         if self.procs.slot >= 0:
             self.counters.flush()
             self.procs.detach(self.reaper.settle)
-
-    def _check_open(self) -> None:
-        if self._closed or self._forked:
-            raise PoolClosedError("store is closed" if self._closed else
-                                  "store was opened before fork() by the parent process; open the pool again "
-                                  "in this process (the slot, locks and kept blocks are the parent's)")
 
     def lost(self) -> StoreError | None:
         """Why this store no longer serves the pool at its path, or None: damage a call found, or the path
@@ -409,7 +364,7 @@ class Store:
     @_entry
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
-        view = _writable_bytes(out)
+        view = writable_bytes(out)
         length = self.reader.get_one_into(key_digest(key), view)
         view.release()
         self.counters.count_get(length)
@@ -422,7 +377,7 @@ class Store:
             raise ValueError(f"{len(outs)} destination buffers for {len(keys)} keys")
         res: list[int | None] = []
         for key, out in zip(keys, outs):
-            view = _writable_bytes(out)
+            view = writable_bytes(out)
             res.append(self.reader.get_one_into(key_digest(key), view))
             view.release()
         hits = len(res) - res.count(None)
@@ -501,7 +456,7 @@ class Store:
 
         Raises ValueTooLargeError if no size class holds the value.
         """
-        addr, n, keep = _buffer_address(value, writable=False)
+        addr, n, keep = buffer_address(value, writable=False)
         if n > self.geo.max_value:
             raise ValueTooLargeError(f"value of {n} bytes exceeds the pool's largest class ({self.geo.max_value})")
         ok = self.batch_put_pieces([key], [[(addr, n)]])[0]
@@ -517,7 +472,7 @@ class Store:
         return self.batch_put_pieces([key], [pieces])[0]
 
     def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False, *, relations=None) -> list[bool]:
-        keeps = [_buffer_address(v, writable=False) for v in values]
+        keeps = [buffer_address(v, writable=False) for v in values]
         res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing,
                                     relations=relations)
         del keeps

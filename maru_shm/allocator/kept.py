@@ -10,11 +10,10 @@ kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEE
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .. import crashpoints as _cp
+from ..guard import guard
 from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .slabtable import SlabTable
@@ -39,7 +38,7 @@ class KeptBlocks:
     def __init__(self, metas: BlockMetas, slabs: SlabTable):
         self.metas, self.slabs = metas, slabs
         self.lists: dict[int, list[tuple[int, int]]] = {}  # class id -> (offset, word) kept for reuse
-        self._guard = threading.Lock()  # threads of this process share the lists
+        self._guard = guard()  # threads of this process share the lists
 
     def has(self, cid: int) -> bool:
         return bool(self.lists.get(cid))

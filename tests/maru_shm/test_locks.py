@@ -662,3 +662,47 @@ def test_a_repair_cut_short_leaves_every_domain_dirty(open_store, pool_path, mon
     with s.locks.hold(lock_id, repair=lambda: calls.append(1)):
         pass
     assert calls == [1]  # the next holder repairs it
+
+
+# ---------------------------------------------------------------- fork() (issue #37, item 3)
+
+def _fork_inside_a_section(path, lock_id, ready_fd, extra):
+    """Child: attach, open this thread's lock description (a put), enter a lock's section, fork a grandchild
+    that never touches the store (it sleeps, as a multiprocessing worker would), report the grandchild's pid
+    and wait inside the section to be killed."""
+    s = Store.open(path)
+    s.put("warm", b"w" * 3000)
+    with s.locks.hold(lock_id):
+        pid = os.fork()
+        if pid == 0:
+            while True:
+                time.sleep(1)
+        os.write(ready_fd, pid.to_bytes(4, "little"))
+        while True:
+            time.sleep(1)
+
+
+def test_a_forked_child_keeps_no_lock_and_no_slot_of_its_dead_parent(pool_path, children):
+    """A process killed inside a section while a fork()ed child of it lives on: the next process takes that
+    lock and reaps the dead slot. Bug: the child's copies of the parent's lock descriptions (the SLOT lock's
+    and each thread's; the pool's, which the mapping holds) kept every lock of the parent: LockTimeout on
+    the dead parent's lock, and its slot shown alive."""
+    key = "after"
+    with Store.open(pool_path, "8M", create=True, timeout=TIMEOUT) as s:
+        lock_id = SHARD_LOCK_BASE + s.index.shard_of(key_digest(key))
+    r, w = os.pipe()
+    parent = children.fork(_fork_inside_a_section, pool_path, lock_id, w, None)
+    os.close(w)
+    grandchild = int.from_bytes(os.read(r, 4), "little")
+    os.close(r)
+    assert grandchild, children.error(parent)
+    try:
+        assert children.kill(parent) == -signal.SIGKILL
+        with Store.open(pool_path, timeout=TIMEOUT) as s:  # attaching reaps the dead slot
+            assert s.put(key, b"v" * 3000) and s.get(key) == b"v" * 3000  # the dead parent's SHARD lock
+            assert s.stats()["processes"] == 1
+            assert _a_lock_held_by_anyone(pool_path) is None
+            assert_clean(s)
+            os.kill(grandchild, 0)  # all this while the child lives
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
