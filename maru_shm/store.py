@@ -147,14 +147,12 @@ class Store:
              copy_threads: int | None = None) -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
-        Creation knobs (ignored for an existing pool, whose geometry is read
-        from its header): granule (smallest block, default 4 KiB), unit_size
-        (slab unit, default 256 KiB), max_value, index_slots, index_shards,
-        proc_slots, and value_size: the smallest value the pool is for (a KV
-        page), from which the granule and the index are sized unless given, so
-        such values are stored without padding and fill the data area before
-        the index (format.Geometry.plan). `geo.shortfalls(n)` tells whether an
-        existing pool holds n-byte values that way.
+        Creation knobs (ignored for an existing pool, whose geometry is read from its header): granule
+        (smallest block, default 4 KiB), unit_size (slab unit, default 256 KiB), max_value, index_slots,
+        index_shards, proc_slots, and value_size: the smallest value the pool is for (a KV page), from which
+        the granule and the index are sized unless given, so such values are stored without padding and fill
+        the data area before the index (format.Geometry.plan). `geo.shortfalls(n)` tells whether an existing
+        pool holds n-byte values that way.
 
         populate=True backs the whole pool with memory now (fallocate on a
         regular file) and pre-faults this process's mapping, so the first write
@@ -292,15 +290,13 @@ class Store:
             self.procs.detach(self.reaper.settle)
 
     def lost(self) -> StoreError | None:
-        """Why this store no longer serves the pool at its path, or None: damage a call found, or the path
-        removed or naming another file (Attachment.lost). Works on a damaged store; one stat, no lock."""
+        """Why this store no longer serves the pool at its path, or None (Attachment.lost); one stat, no lock."""
         return self.att.lost()
 
     # ---------------------------------------------------------------- processes and counters
     @_entry
     def count_heal(self) -> None:
-        """Count in the pool that this process attached to it after losing its previous pool (a client that
-        reopens one, as MaruStorage does): `heals` in stats() and `maru-shm inspect` (FORMAT.md section 2)."""
+        """Count `heals` (FORMAT.md section 2): this process reopened this pool after losing its previous one."""
         self.procs.count_heal()
 
     @_entry
@@ -422,14 +418,12 @@ class Store:
 
     @_entry
     def touch(self, digests) -> int:
-        """Mark the values of these digests as used (the CLOCKs' ref bits), as a hit would, without copying:
-        a caller whose reads start mid-chain keeps the chain's head alive with it. The number present."""
+        """Mark these digests' values used (the CLOCKs' ref bits) as a hit does, without copying; how many exist."""
         return self.reader.touch(digest_array(digests))
 
     @_entry
     def relation_of(self, digest: bytes) -> tuple[int, int] | None:
-        """(segment group, position) of the value under `digest` (FORMAT.md section 6a); None if absent or
-        stranded by a doom (a segment continuing it is stranded at birth), (0, 0) if it has no relation record."""
+        """(segment group, position) of `digest`'s value (FORMAT.md 6a); None: absent or doomed; (0, 0): no record."""
         r = resolve(self.att, digest_array([digest]), full=False)
         if not r.ok[0]:
             return None
@@ -437,8 +431,7 @@ class Store:
 
     @_entry
     def doom_segment(self, group: int) -> None:
-        """Values of this segment (relations' group) stored so far can no longer be a hit: eviction takes
-        them first. A writer whose new segment's parent is already gone says so after storing it."""
+        """This segment's values stored so far can no longer be a hit (its parent is gone): evicted first."""
         self.att.alloc.relations.push(group)
 
     @_entry
