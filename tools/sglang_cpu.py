@@ -114,11 +114,15 @@ def _host_pools_unpinned() -> None:
     """Patch 3: a host pool pins its memory only where the platform can pin."""
     from sglang.srt.mem_cache.pool_host.base import HostKVCache
     from sglang.srt.utils.common import is_pin_memory_available
+    import inspect
     init = HostKVCache.__init__
     if getattr(init, "maru_unpinned", False):
         return
+    signature = inspect.signature(init)
 
-    def __init__(self, *args, pin_memory: bool, **kwargs):
-        init(self, *args, pin_memory=pin_memory and is_pin_memory_available(), **kwargs)
+    def __init__(self, *args, **kwargs):  # pin_memory comes by keyword or by position (mha_mxfp8.py)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["pin_memory"] = bound.arguments["pin_memory"] and is_pin_memory_available()
+        init(*bound.args, **bound.kwargs)
     __init__.maru_unpinned = True
     HostKVCache.__init__ = __init__

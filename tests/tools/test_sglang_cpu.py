@@ -100,3 +100,17 @@ def test_the_plugin_acts_only_in_cpu_mode(monkeypatch):
     init = HostKVCache.__init__
     sglang_cpu.activate()
     assert HostKVCache.__init__ is init and not hasattr(mha, "transfer_kv_direct")
+
+
+def test_in_cpu_mode_host_pools_are_unpinned_whether_pin_memory_comes_by_keyword_or_position(monkeypatch):
+    """Patch 3 on SGLang's real HostKVCache: pin_memory=True becomes False where the platform cannot pin."""
+    from sglang.srt.mem_cache.pool_host import base
+    seen = []
+    monkeypatch.setattr(base.HostKVCache, "__init__", lambda self, dtype, device_capacity_tokens, size_per_token,
+                        start_layer, end_layer, host_to_device_ratio, host_size, page_size, layout, pin_memory,
+                        device, **kw: seen.append(pin_memory))
+    monkeypatch.setattr("sglang.srt.utils.common.is_pin_memory_available", lambda device=None: False)
+    sglang_cpu._host_pools_unpinned()
+    base.HostKVCache.__init__(object(), "bf16", 8, 4, 0, 1, 2.0, 0, 1, "layer_first", True, "cpu")
+    base.HostKVCache.__init__(object(), "bf16", 8, 4, 0, 1, 2.0, 0, 1, "layer_first", device="cpu", pin_memory=True)
+    assert seen == [False, False]
