@@ -227,3 +227,35 @@ def test_check_reports_blocks_this_process_owns_but_holds_nowhere(open_store, po
     st = s.stats()
     assert (st["reserved_blocks"], st["held_blocks"], st["live_blocks"]) == (0, 0, 1)
     assert s.get("k") == make_value("k", 1, 9000)
+
+
+def test_an_interrupt_at_each_line_of_a_put_then_close_detaches(pool_path):
+    """An interrupt at each line event of one put in turn (the public call's entry and exit included), then
+    close(): the next opener finds no other process attached, and nothing reserved or held. Bug: an interrupt
+    on the line that counted the call out of the close fence left it counted in, and close() waited its
+    full 30 s, then returned without detaching."""
+    value = make_value("k", 1, 9000)
+    with _open(pool_path) as s:
+        tracer, seen = _tracer(None, [], False)
+        sys.settrace(tracer)
+        try:
+            s.put("k", value)
+        finally:
+            sys.settrace(None)
+        s.delete("k")
+    for n in range(1, seen[0] + 1):
+        s = _open(pool_path)
+        sys.settrace(_tracer(n, [], False)[0])
+        try:
+            s.put("k", value)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        s.close()
+        with _open(pool_path) as again:
+            assert again.stats()["processes"] == 1, n
+            assert again.get("k") in (None, value), n
+            again.delete("k")
+            st = again.stats()
+            assert (st["reserved_blocks"], st["held_blocks"], st["live_blocks"]) == (0, 0, 0), n
