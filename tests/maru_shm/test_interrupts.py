@@ -259,3 +259,56 @@ def test_an_interrupt_at_each_line_of_a_put_then_close_detaches(pool_path):
             again.delete("k")
             st = again.stats()
             assert (st["reserved_blocks"], st["held_blocks"], st["live_blocks"]) == (0, 0, 0), n
+
+
+def measure(runs: int, seed: int) -> dict:
+    """RELIABILITY.md's figures: the workload (no close) `runs` times, one interrupt each and no repair in
+    between; then the runs that ended with a lock held, and, with every key deleted and the kept lists
+    dropped, the blocks still reserved or held. Public calls only, so that it measures older code too; a
+    thread mutex left held shows as a hang (SIGALRM after 20 s without a finished run)."""
+    import signal
+    import uuid
+
+    class Hang(Exception):
+        pass
+
+    def alarm(*_):
+        raise Hang()
+    signal.signal(signal.SIGALRM, alarm)
+    path = f"/dev/shm/maru-measure-{uuid.uuid4().hex[:8]}"
+    rng, model, outer = random.Random(seed), _Model(), sys.gettrace()
+    s = Store.open(path, "2M", create=True, unit_size=64 << 10, max_value="64K", copy_threads=1, timeout=0.5)
+    out = {"interrupts": 0, "runs_ending_with_a_lock_held": 0, "wrong_reads": 0, "hang": None}
+    events: list[int] = []
+    try:
+        for run in range(runs + 1):
+            signal.alarm(20)
+            s.batch_put(FILL, [model.value(k, rng.choice((20000, 6000))) for k in FILL])
+            work, n = random.Random(rng.random()), None if run == 0 else rng.randint(1, rng.choice(events))
+            tracer, seen = _tracer(n, [], False)
+            sys.settrace(tracer)
+            try:
+                _workload(s, work, model, False, [])
+                events = events[-15:] + [seen[0]]
+            except KeyboardInterrupt:
+                out["interrupts"] += 1
+            finally:
+                sys.settrace(outer)
+            out["runs_ending_with_a_lock_held"] += _a_lock_held_by_anyone(path) is not None
+        signal.alarm(60)
+        for k in KEYS + PAGES + FILL:
+            s.delete(k)
+        s.alloc.free_kept()
+        st = s.stats()
+        out.update(reserved_after=st["reserved_blocks"], held_after=st["held_blocks"], wrong_reads=len(model.wrong))
+        signal.alarm(0)
+        s.close()
+        os.unlink(path)
+    except Hang:
+        out["hang"] = f"run {run}, after {out['interrupts']} interrupts"
+    return out
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python -m tests.maru_shm.test_interrupts RUNS SEED
+    print(measure(int(sys.argv[1]), int(sys.argv[2])), flush=True)
+    os._exit(0)  # a hung run's thread mutex is still held
