@@ -41,10 +41,6 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
         # PROC repair: reap slots whose process died (settles their blocks). Reaping takes CLASS and
         # PROC locks itself, so it runs before this check holds every lock.
         report.repaired += store.reap_dead()
-        leaked = untracked_blocks(store)  # ours, held by nothing in this process: settled as a dead slot's
-        if leaked:
-            store.reaper.settle(store.slot, leaked, store.alloc.kept_blocks.held_elsewhere)
-            report.repaired += len(leaked)
     alloc.refresh_classes()
     held: list[int] = []
     dirty: list[int] = []
@@ -77,6 +73,10 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
             # A repair cut short (an exception, KeyboardInterrupt) may have half rebuilt any domain, or not
             # reached one a dead holder left dirty: every mark stays, and each domain's next holder repairs it.
             locks.release(lock_id, clean=done and (repair or lock_id not in dirty))
+    leaked = untracked_blocks(store)  # ours, held by nothing in this process: settled as a dead slot's, once
+    if leaked:  # the repair made their classes usable again
+        store.reaper.settle(store.slot, leaked, store.alloc.kept_blocks.held_elsewhere)
+        report.repaired += len(leaked)
     _report_untracked(store, report)
     return report
 
@@ -98,8 +98,8 @@ def _report_untracked(store, report: CheckReport) -> None:
     leaked = untracked_blocks(store)
     if leaked:
         report.problem(f"{len(leaked)} blocks owned by this process (slot {store.slot}) are held by nothing in "
-                       f"it (first at data offset {leaked[0]}): a call cut short leaked them; check(repair=True) "
-                       "here, close(), or reaping once the process is gone settles them")
+                       f"it (first at data offset {leaked[0]}): leaked by a call cut short, or one that met damage; "
+                       "check(repair=True) here, close(), or reaping once the process is gone settles them")
 
 
 def _repair_classes(store) -> int:
