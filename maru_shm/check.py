@@ -30,7 +30,9 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     Repair holds every lock for its whole run: it rewrites derived state across domains.
     """
     if not repair:
-        return check_live(PoolView.of(store), timeout=store.timeout, progress=progress)
+        report = check_live(PoolView.of(store), timeout=store.timeout, progress=progress)
+        _report_untracked(store, report)
+        return report
     locks = store.locks
     g = store.geo
     alloc = store.alloc
@@ -71,7 +73,33 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
             # A repair cut short (an exception, KeyboardInterrupt) may have half rebuilt any domain, or not
             # reached one a dead holder left dirty: every mark stays, and each domain's next holder repairs it.
             locks.release(lock_id, clean=done and (repair or lock_id not in dirty))
+    leaked = untracked_blocks(store)  # ours, held by nothing in this process: settled as a dead slot's, once
+    if leaked:  # the repair made their classes usable again
+        store.reaper.settle(store.slot, leaked, store.alloc.kept_blocks.held_elsewhere)
+        report.repaired += len(leaked)
+    _report_untracked(store, report)
     return report
+
+
+def untracked_blocks(store) -> list[int]:
+    """Offsets of the blocks this process's slot owns that no kept list and no call in flight holds: what a
+    call cut short left behind (FORMAT.md section 9). Only this process can tell: to another one (the live
+    check of `maru-shm check`), a block owned by a live process is simply in flight."""
+    slot, metas = store.slot, store.alloc.metas
+    if slot < 0:
+        return []
+
+    def owned():  # a FREE block may still name its last owner (a free cut short): it is nobody's
+        return [off for off in store.reaper.owned_blocks(slot) if metas.word(metas.meta_off(off)) & 3 != FREE]
+    return store.alloc.kept_blocks.untracked(owned)
+
+
+def _report_untracked(store, report: CheckReport) -> None:
+    leaked = untracked_blocks(store)
+    if leaked:
+        report.problem(f"{len(leaked)} blocks owned by this process (slot {store.slot}) are held by nothing in "
+                       f"it (first at data offset {leaked[0]}): leaked by a call cut short, or one that met damage; "
+                       "check(repair=True) here, close(), or reaping once the process is gone settles them")
 
 
 def _repair_classes(store) -> int:

@@ -75,10 +75,11 @@ class Publisher:
         if 0 <= offset < att.geo.data_bytes:
             m = att.geo.meta_of(offset)
             if U64.unpack_from(att.mm, m)[0] == word:
+                att.alloc.kept_blocks.track((offset,), indexed=True)  # our call holds it before it is ours
                 att.mm[m + META_OWNER_OFF:m + META_OWNER_OFF + 2] = self.procs.owner.to_bytes(2, "little")
 
     # ---------------------------------------------------------------- publishing a batch
-    def publish(self, batch, skip_existing: bool, held: dict, res: list):
+    def publish(self, batch, skip_existing: bool, res: list):
         """Index every committed block of a batch under all its shard locks at once (ascending, see locks.py).
 
         Returns (published flags, blocks to free, evictions, evicted bytes).
@@ -89,7 +90,8 @@ class Publisher:
         evicted = [0, 0]  # values, bytes
         with att.locks.hold_many(dense_range([SHARD_LOCK_BASE + s for s in shards]),
                                  repair_for=self.repair_shard_lock):
-            published, slow = batch.publish_fast(held, res)
+            att.alloc.kept_blocks.may_index(batch.placed_off)
+            published, slow = batch.publish_fast(res)
             for k in slow:
                 i = batch.placed_i[k]
                 if self._publish_one(batch.digest(k), shards[k], batch.lives[k], batch.placed_off[k],
@@ -185,6 +187,7 @@ class Publisher:
         out = np.zeros(len(offsets), dtype=bool)
         with att.locks.hold_many(dense_range((shards + SHARD_LOCK_BASE).tolist()),
                                  repair_for=self.repair_shard_lock):
+            att.alloc.kept_blocks.may_index(new_offsets.tolist())
             for k, s in enumerate(shards.tolist()):
                 new = int(new_offsets[k])
                 if index.repoint(s, halves[k].tobytes(), int(words[k]), int(offsets[k]), int(new_words[k]), new):

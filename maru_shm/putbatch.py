@@ -99,13 +99,12 @@ class ScalarPut(_PutBatch):
         return self.lives
 
 
-    def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
+    def publish_fast(self, res: list) -> tuple[list[bool], list[int]]:
         """Nothing is published in one pass: every block still ours takes the scalar path, by shard."""
         mm, lives = self.att.mm, self.lives
         slow = []
         for k, m in enumerate(self.metas):
             if U64.unpack_from(mm, m)[0] == lives[k]:  # not freed under us (we are alive: never)
-                del held[self.placed_off[k]]  # from here on, close() or a reaper settles it, never _settle
                 slow.append(k)
         slow.sort(key=self.shards.__getitem__)
         return [False] * len(self), slow
@@ -153,7 +152,7 @@ class VectorPut(_PutBatch):
         self.lives = self.live.tolist()
         return self.lives
 
-    def publish_fast(self, held: dict, res: list) -> tuple[list[bool], list[int]]:
+    def publish_fast(self, res: list) -> tuple[list[bool], list[int]]:
         """Insert every block still ours whose key is absent, in one Index.insert_absent pass; the keys it
         leaves (present, or sharing a probe run) are returned for the scalar path, in shard order."""
         index, n = self.att.index, len(self)
@@ -161,16 +160,9 @@ class VectorPut(_PutBatch):
         still = self.att.alloc.meta_words[self.gidx] == self.live
         if still.all():  # the common case: the batch as planned
             cand = None
-            if len(held) == n:  # held names exactly this batch's blocks
-                held.clear()
-            else:
-                for off in self.placed_off:
-                    del held[off]
             fast = index.insert_absent(self.shard_arr, self.halves, self.live, offs_u, plan=self.home)
         else:
             cand = np.flatnonzero(still)
-            for k in cand.tolist():
-                del held[self.placed_off[k]]
             fast = index.insert_absent(self.shard_arr[cand], self.halves[cand], self.live[cand], offs_u[cand],
                                        plan=(self.home[0][cand], self.home[1][cand]))
         if cand is None and fast.all():

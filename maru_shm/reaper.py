@@ -45,9 +45,13 @@ class Reaper:
             self.procs.retire(slot)
         self.counters.count(repairs=1)
 
-    def settle(self, slot: int) -> None:
-        """Hand every block `slot` still owns to the allocator (also our own slot, when we detach)."""
-        self.att.alloc.resolve_owned(self.owned_blocks(slot), slot + 1)
+    def settle(self, slot: int, blocks=None, busy=None, unindexed=frozenset()) -> None:
+        """Hand the blocks `slot` still owns to the allocator: every one (a dead slot's; our own, when we
+        detach), or only those at `blocks` (what a call that an exception ended still held: Store._entry),
+        but for those `busy(offset)` says another holder in this process has; `unindexed` ones no index
+        entry can name."""
+        self.att.alloc.resolve_owned(self.owned_blocks(slot) if blocks is None else blocks, slot + 1, busy,
+                                     unindexed)
 
     def owned_blocks(self, slot: int) -> list[int]:
         """Data offsets of the blocks whose meta names `slot` as owner."""

@@ -70,11 +70,18 @@ def _forget_stores_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 
-def _entry(method):
+def _entry(method=None, *, owns_blocks: bool = False):
     """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping. An exception raised at any
-    bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its own held
-    (guard.release_stranded, LockTable.release_stranded) and counts it out of the fence."""
+    call fence while it runs, so that close() waits for it before unmapping.
+
+    An exception raised at any bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its
+    own held (guard.release_stranded, LockTable.release_stranded), counts it out of the fence, and leaves
+    no block untracked: a call that `owns_blocks` (a put, a delete) keeps a ledger of every block it makes
+    ours (allocator/kept.py), and what the ledger still holds when an exception ends the call is settled
+    as a reaper settles a dead slot's blocks (`_settle_call`)."""
+    if method is None:
+        return functools.partial(_entry, owns_blocks=owns_blocks)
+
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         locks, fence, token = self.att.locks, self._fence, object()
@@ -82,6 +89,8 @@ def _entry(method):
         try:
             if self._forked or not fence.enter(token):
                 raise _refusal(self)
+            if owns_blocks:
+                self._kept.begin()
             self.att.check_intact()
             result = method(self, *args, **kwargs)
             if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
@@ -90,13 +99,42 @@ def _entry(method):
         except BaseException:
             release_stranded_guards()
             locks.release_stranded(before)
+            if owns_blocks:
+                _settle_call(self)
             raise
         finally:
             # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
             # of its bytecodes the exception meets, and leaving twice is leaving once.
-            try: fence.leave(token)
+            try: _leave_call(self, owns_blocks, token)
             finally: fence.leave(token)
     return call
+
+
+def _leave_call(store, owns_blocks: bool, token) -> None:
+    """A public call is over: its ledger closed, the call counted out of the fence."""
+    if owns_blocks:
+        store._kept.end()
+    store._fence.leave(token)
+
+
+def _settle_call(store) -> None:
+    """An exception ended a call that owns blocks: settle what its ledger still holds, as a reaper settles a
+    dead slot's blocks (FORMAT.md section 9), without asking the index about blocks it cannot name (a put
+    that timed out on a shard lock frees its blocks at once). If that fails too (a lock timeout, a damaged
+    pool), they stay held, by the kept blocks' strays, until close()."""
+    kept = store._kept
+    blocks, unindexed = kept.held_by_call()
+    if not blocks:
+        return
+    try:
+        if store.att.damage is not None:
+            raise store.att.damage  # never write into a damaged mapping
+        store.reaper.settle(store.procs.slot, blocks, kept.held_elsewhere, unindexed)
+    except Exception:
+        kept.to_strays(blocks)
+    except BaseException:  # cut short itself (a second KeyboardInterrupt): what is left stays held
+        kept.to_strays(blocks)
+        raise
 
 
 def _refusal(store) -> PoolClosedError:
@@ -195,6 +233,7 @@ class Store:
         self.counters = Counters(self.procs, att.locks)
         self.publisher = Publisher(att, self.procs, self.counters)
         att.alloc = Allocator(AllocatorServices(att, self.procs, self.counters, self.publisher))
+        self._kept = att.alloc.kept_blocks  # who in this process holds each block it owns
         self.reaper = Reaper(att, self.procs, self.counters)
         self.engine = CopyEngine(copy_threads)
         self.reader = ReadPath(att, self.engine, self.counters)
@@ -284,7 +323,8 @@ class Store:
         self._closed = True
 
     def _detach(self) -> None:
-        """Publish counters, settle the blocks our slot still owns (a put that raised midway), retire the slot."""
+        """Publish counters, settle the blocks our slot still owns (kept ones, any a failed settling left),
+        retire the slot."""
         if self.procs.slot >= 0:
             self.counters.flush()
             self.procs.detach(self.reaper.settle)
@@ -471,7 +511,7 @@ class Store:
         del keeps
         return res
 
-    @_entry
+    @_entry(owns_blocks=True)
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
                          relations=None) -> list[bool]:
@@ -512,7 +552,7 @@ class Store:
         self._pins.add(d)
         return True
 
-    @_entry
+    @_entry(owns_blocks=True)
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
         removed = self.publisher.unpublish_key(key_digest(key))

@@ -4,9 +4,8 @@ Per-key Python is the cost on small pages, so every step that can be is one nump
 batch (putbatch.VectorPut); a few keys take the scalar form (putbatch.ScalarPut). FORMAT.md section 8
 gives the order of stores and what a death after each leaves behind.
 
-`held` (offset -> word) holds every block the call owns and has not yet handed to the publisher: if the
-call raises, `settle` frees them; once a block is handed over, a death or a raise leaves it to close()
-or a reaper.
+Every block the call makes its own is in its ledger first (allocator/kept.py): if the call raises, its
+public entry settles them (store.py `_entry`); a death leaves them to a reaper.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import StoreError
-from .format import LIVE, META_OWNER_OFF, U16, U64, next_words
+from .format import LIVE, next_words
 from .index import digest_array
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
@@ -31,27 +30,6 @@ class WritePath:
     def put_batch(self, digests, pieces_list, skip_existing: bool, assume_absent: bool,
                   relations=None) -> list[bool]:
         """Store one value per digest ((n, 16) uint8 array, or a list of 16-byte digests)."""
-        held: dict[int, int] = {}
-        try:
-            return self._put(digests, pieces_list, skip_existing, assume_absent, held, relations)
-        except BaseException:
-            self.settle(held)  # e.g. LockTimeout on a shard lock after the copy: don't leak the blocks
-            raise
-
-    def settle(self, held: dict[int, int]) -> None:
-        """A put raised midway: free the blocks it reserved or committed but did not publish (best effort)."""
-        att, owner = self.att, self.procs.owner
-        to_free = []
-        for off, word in held.items():
-            m = att.geo.meta_of(off)
-            if U64.unpack_from(att.mm, m)[0] == word and U16.unpack_from(att.mm, m + META_OWNER_OFF)[0] == owner:
-                to_free.append((off, word))  # still this lifetime and still ours: free it (word re-checked)
-        try:
-            att.alloc.free_blocks(to_free)
-        except StoreError:
-            pass  # still owned by this slot: close() or a reaper settles them
-
-    def _put(self, digests, pieces_list, skip_existing: bool, assume_absent: bool, held: dict, relations) -> list[bool]:
         n = len(digests)
         small = n <= SMALL_BATCH
         if small:  # the scalar path works on Python ints and bytes: a numpy call costs more than the key
@@ -76,7 +54,7 @@ class WritePath:
         kind = ScalarPut if small else VectorPut
         in_order = len(groups) == 1 and len(placed_i) == n
         batch = kind(self.att, self.engine, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
-        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, held, res, relations)
+        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, res, relations)
         if not all(published):
             # still owned by us until freed: a crash here is reaped
             to_free += [(off, w) for off, w, p in zip(placed_off, batch.lives, published) if not p]
@@ -144,12 +122,11 @@ class WritePath:
                 _cp.hit("put.after_alloc")
         return placed_i, placed_off
 
-    def _write(self, batch, skip_existing: bool, held: dict, res: list, relations):
+    def _write(self, batch, skip_existing: bool, res: list, relations):
         """Copy, commit and publish the placed blocks: (published flags, to free, evictions, evicted bytes)."""
         if not len(batch):
             return [], [], 0, 0
         reserved = batch.reserved()
-        held.update(zip(batch.placed_off, reserved))
         if relations is not None:
             lives = next_words(np.asarray(reserved, dtype=np.uint64), LIVE)
             written = self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
@@ -159,10 +136,10 @@ class WritePath:
             if _cp.ARMED is not None:
                 _cp.hit("put.after_relations")
         batch.copy()
-        held.update(zip(batch.placed_off, batch.commit()))
+        batch.commit()
         if _cp.ARMED is not None:
             _cp.hit("put.before_index")
-        return self.publisher.publish(batch, skip_existing, held, res)
+        return self.publisher.publish(batch, skip_existing, res)
 
 
 def _check_fits(info, length: int) -> None:

@@ -133,6 +133,12 @@ def pytest_collection_modifyitems(config, items):
     items[:] = ordered + rest
 
 
+def pytest_runtest_setup(item):
+    """Tests marked slow run only when asked for (`-m slow`)."""
+    if item.get_closest_marker("slow") and "slow" not in (item.config.getoption("markexpr") or ""):
+        pytest.skip("slow: run with -m slow")
+
+
 @pytest.fixture
 def pool_path():
     path = f"/dev/shm/maru-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"

@@ -153,5 +153,5 @@ class Allocator:
     def repair_class(self, cid: int) -> int:
         return self.repairer.repair_class(cid)
 
-    def resolve_owned(self, blocks, dead_owner: int) -> int:
-        return self.repairer.resolve_owned(blocks, dead_owner)
+    def resolve_owned(self, blocks, dead_owner: int, busy=None, unindexed=frozenset()) -> int:
+        return self.repairer.resolve_owned(blocks, dead_owner, busy, unindexed)

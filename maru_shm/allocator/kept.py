@@ -1,14 +1,24 @@
-"""Blocks a process keeps for its own next allocations of a class, so most puts take no class lock.
+"""Who in this process holds each block it owns: a kept list, or a call in flight (its ledger).
 
-A kept block is owned by this process and unindexed: an overwrite's old block or one of ours that lost
-its publication (LIVE), or a spare a single-key put reserved beside its own block (RESERVED, no digest,
+Kept blocks serve the process's own next allocations of a class, so most puts take no class lock. A kept
+block is owned by this process and unindexed: an overwrite's old block or one of ours that lost its
+publication (LIVE), or a spare a single-key put reserved beside its own block (RESERVED, no digest,
 length 0). No reader can reach it through the index, no other process frees or evicts a block a live
 process owns, and its bitmap bit and the class counts already say "used". `close` and a reaper settle
 kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEEP_BYTES bytes per class
 (at least one block), so an idle process holds back little of the pool; spares at most SPARE_BYTES.
+
+A public call that may own blocks (a put, a delete) has a ledger: every block it is about to make ours
+(reserve, reuse from a kept list, claim from the index, a slab move's copy) is noted there and in
+`holders` *before* its owner is written, so at every bytecode each block this process owns is held by a
+kept list or by an open ledger (the last one to take it). A call that an exception ends hands what its
+ledger still holds to the reaper's settling (Store._entry); one that returns has given every block away
+(published, freed or kept). FORMAT.md section 9, "An exception in a live process".
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -34,11 +44,110 @@ def spare_limit(info: ClassInfo) -> int:
     return min(KEEP_MAX, SPARE_BYTES // info.block)
 
 
+class Ledger(list):
+    """The offsets of the blocks one call took, in order; open until the call ends. `indexed`: those the index
+    may name (claimed from it, or handed to it under their shard locks); the others it cannot."""
+
+    __slots__ = ("open", "indexed")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.indexed: set[int] = set()
+        self.open = True
+
+
 class KeptBlocks:
     def __init__(self, metas: BlockMetas, slabs: SlabTable):
         self.metas, self.slabs = metas, slabs
         self.lists: dict[int, list[tuple[int, int]]] = {}  # class id -> (offset, word) kept for reuse
-        self._guard = guard()  # threads of this process share the lists
+        self.holders: dict[int, Ledger] = {}  # offset -> ledger of the call that last took the block
+        self.strays = Ledger()  # blocks a failed settling left to close() (it stays open)
+        self._local = threading.local()  # .ledger: the calling thread's call's
+        self._guard = guard()  # threads of this process share the lists and the holders
+
+    # ---------------------------------------------------------------- the calls' ledgers
+    def begin(self) -> None:
+        """A call that may own blocks starts its ledger (such calls never nest). A ledger still open here was
+        left by a call whose `end` an exception cut short: it is closed first."""
+        stale = getattr(self._local, "ledger", None)
+        if stale is not None and stale.open:
+            self.end()
+        self._local.ledger = Ledger()
+
+    def end(self) -> None:
+        """The calling thread's call is over: close its ledger and forget its holds. Closed first: should
+        an exception cut this short, what it still names counts as held by no one."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is None:
+            return
+        mine.open = False
+        with self._guard:
+            holders = self.holders
+            for off in mine:
+                if holders.get(off) is mine:
+                    del holders[off]
+        self._local.ledger = None
+
+    def track(self, offsets, indexed: bool = False) -> None:
+        """Before these blocks become ours (their owner written): the calling thread's call holds them
+        (`indexed`: claimed from the index, which may still name them). Outside a call that keeps a ledger
+        nothing is noted."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is None or not mine.open:
+            return
+        if indexed:
+            mine.indexed.update(offsets)
+        with self._guard:
+            mine.extend(offsets)
+            holders = self.holders
+            for off in offsets:
+                holders[off] = mine
+
+    def may_index(self, offsets) -> None:
+        """Shard locks held, before blocks of the calling thread's call are published: the index may name
+        them from here on (settling one then asks the index)."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is not None and mine.open:
+            mine.indexed.update(offsets)
+
+    def held_by_call(self) -> tuple[list[int], set[int]]:
+        """The blocks the calling thread's call still holds (its ledger, less what another holder took
+        since), and those of them that no index entry can name."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is None:
+            return [], set()
+        with self._guard:
+            held = [off for off in dict.fromkeys(mine) if self.holders.get(off) is mine]
+        return held, set(held) - mine.indexed
+
+    def held_elsewhere(self, off: int) -> bool:
+        """Does a kept list, or an open ledger other than the calling thread's, hold the block at `off`?"""
+        mine = getattr(self._local, "ledger", None)
+        with self._guard:
+            h = self.holders.get(off)
+            if h is not None and h is not mine and h.open:
+                return True
+            return any(o == off for lst in self.lists.values() for o, _ in lst)
+
+    def to_strays(self, offsets) -> None:
+        """The calling thread's call could not settle these: they stay held, by `strays`, for close()."""
+        mine = getattr(self._local, "ledger", None)
+        with self._guard:
+            for off in offsets:
+                if self.holders.get(off) is mine:
+                    self.holders[off] = self.strays
+                    self.strays.append(off)
+
+    def untracked(self, owned_now) -> list[int]:
+        """The blocks this process owns (`owned_now()`, offsets) that no kept list and no open ledger holds:
+        leaked. Read under the guard, so no block is taken or given back to a list meanwhile (every
+        block becomes ours only after `track`, which waits for it)."""
+        with self._guard:
+            owned = owned_now()
+            kept = {o for lst in self.lists.values() for o, _ in lst}
+            holders = self.holders
+            return [off for off in owned
+                    if off not in kept and not (off in holders and holders[off].open)]
 
     def has(self, cid: int) -> bool:
         return bool(self.lists.get(cid))
@@ -74,14 +183,24 @@ class KeptBlocks:
         return rest
 
     def take_all(self) -> list[tuple[int, int]]:
-        """Empty every list: the (offset, word) pairs it held, for the caller to free."""
+        """Empty every list: the (offset, word) pairs it held, for the caller to free (its call holds them)."""
         with self._guard:
             items = [item for lst in self.lists.values() for item in lst]
+            self._hold_taken(items)
             self.lists.clear()
         return items
 
+    def _hold_taken(self, items) -> None:
+        """Guard held: blocks about to leave a list are the calling thread's call's (before they leave it)."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is not None and mine.open:
+            offs = [off for off, _ in items]
+            mine.extend(offs)
+            for off in offs:
+                self.holders[off] = mine
+
     def give_back(self, cid: int, offsets: list[int]) -> None:
-        """RESERVED blocks of ours join the list: reused blocks an allocation could not finish with, and spares."""
+        """Spares (RESERVED blocks of ours, no value yet) join the list."""
         with self._guard:
             self.lists.setdefault(cid, []).extend(
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
@@ -101,6 +220,7 @@ class KeptBlocks:
             if not lst:
                 return []
             take = lst[-m:]
+            self._hold_taken(take)
             del lst[-m:]
         out: list[int] = []
         for off, word in take:

@@ -134,13 +134,17 @@ class Repairer:
             slabs.partial_push(info.cid, h)
         return freed, used
 
-    def resolve_owned(self, blocks, dead_owner: int) -> int:
+    def resolve_owned(self, blocks, dead_owner: int, busy=None, unindexed=frozenset()) -> int:
         """Reaping: settle blocks whose owner slot died. Returns blocks freed.
 
         RESERVED blocks are freed; a LIVE block is kept (its owner cleared, under the shard lock that pins
         its entry) if the index points at it, else freed if it is still the dead slot's with the word read
         first: a live process that replaced or deleted its entry before the index was asked claimed it (and
         may have reused it and published it again since, its owner cleared): it is that process's to settle.
+        The owner may be our own live slot, settling what a call an exception ended still held: `busy(offset)`,
+        asked last, under the class lock, says another holder in this process took the block since (a kept
+        list, another thread's call): it stays. A LIVE block in `unindexed` (one the call never handed to
+        the index) is freed without asking it.
         """
         by_class: dict[int, list[int]] = {}
         for off in blocks:
@@ -150,10 +154,10 @@ class Repairer:
         freed = 0
         for cid, offs in by_class.items():
             with self.locks.class_lock(cid):
-                freed += self._resolve_class(offs, dead_owner)
+                freed += self._resolve_class(offs, dead_owner, busy, unindexed)
         return freed
 
-    def _resolve_class(self, offs: list[int], dead_owner: int) -> int:
+    def _resolve_class(self, offs: list[int], dead_owner: int, busy, unindexed) -> int:
         metas = self.metas
         settle = []  # (offset, block location, word, keep)
         ask, where = [], {}
@@ -164,7 +168,7 @@ class Repairer:
             word, d, _, owner, _ = metas.read(off)
             if owner != dead_owner or word & 3 == FREE:
                 continue
-            if word & 3 == LIVE:
+            if word & 3 == LIVE and off not in unindexed:
                 ask.append((d, off, word, dead_owner))
                 where[off] = loc
             else:
@@ -175,7 +179,7 @@ class Repairer:
         freed = 0
         for off, loc, word, keep in settle:
             m = metas.meta_off(off)
-            if not keep and metas.word(m) == word and metas.owner(m) == dead_owner:
+            if not keep and metas.word(m) == word and metas.owner(m) == dead_owner and not (busy and busy(off)):
                 self.release.free_block(loc[0], loc[1], loc[2], off)
                 freed += 1
             if _cp.ARMED is not None:

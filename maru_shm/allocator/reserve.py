@@ -40,16 +40,9 @@ class Reserver:
         slab under it.
         """
         out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.has(info.cid) else []
-        reused = len(out)
-        if reused == len(lengths):
+        if len(out) == len(lengths):
             return out
-        if not out:
-            return self._allocate_locked(info, digests, lengths, owner, out)
-        try:
-            return self._allocate_locked(info, digests, lengths, owner, out)
-        except BaseException:  # reused blocks go back to the list (RESERVED, still ours) for the next put
-            self.kept.give_back(info.cid, out[:reused])
-            raise
+        return self._allocate_locked(info, digests, lengths, owner, out)
 
     def _allocate_locked(self, info: ClassInfo, digests, lengths, owner: int, out: list[int]) -> list[int]:
         """The part of `allocate` under the class lock: values len(out) .. m-1 (out holds blocks reused)."""
@@ -58,6 +51,7 @@ class Reserver:
 
         def reserve_pending():
             if pending:
+                self.kept.track(pending)
                 self._reserve(pending, digests[len(out):], lengths[len(out):], owner, small=m <= SMALL_BATCH)
                 out.extend(pending)
                 pending.clear()
@@ -101,6 +95,7 @@ class Reserver:
             return
         spares: list[int] = []
         self.slabs.take_free(head - 1, info, want, True, spares)
+        self.kept.track(spares)
         for off in spares:
             self.metas.reserve(off, _NO_DIGEST, 0, owner)
         self.kept.give_back(info.cid, spares)
