@@ -287,11 +287,9 @@ class Store:
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
         """Detach: publish counters, free the process slot, unmap. Idempotent; a close that an exception
-        (KeyboardInterrupt) cut short finishes when called again.
-
-        Waits for calls in flight in other threads (CLOSE_WAIT s at most): the mapping is never unmapped
-        under a copy. A call that outlives the wait keeps the mapping alive (it is left to the process's
-        exit) rather than faulting.
+        (KeyboardInterrupt) cut short finishes when called again. Waits for calls in flight in other
+        threads (CLOSE_WAIT s at most): the mapping is never unmapped under a copy; a call that outlives
+        the wait keeps the mapping alive (it is left to the process's exit) rather than faulting.
         """
         if self._closed:
             return
