@@ -247,26 +247,39 @@ def prompt(seed: int | str, length: int, vocab: int = DEMO_MODEL.vocab) -> list[
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def stored_pages(spec: ServerSpec) -> int:
-    """Values in the servers' L3: entries of the pool, or page files of HiCacheFile's directory."""
+def _count(spec: ServerSpec, store) -> int:
     if spec.pool is None:
         try:
             return len(os.listdir(spec.file_dir))
         except FileNotFoundError:
             return 0
+    return store.stats()["entries"]
+
+
+def _l3_of(spec: ServerSpec):
+    """The pool, attached (one process slot) for as long as the caller counts; nothing for HiCacheFile."""
+    import contextlib
+    if spec.pool is None:
+        return contextlib.nullcontext()
     from maru_shm import Store
-    with Store.open(spec.pool) as store:
-        return store.stats()["entries"]
+    return Store.open(spec.pool)
+
+
+def stored_pages(spec: ServerSpec) -> int:
+    """Values in the servers' L3: entries of the pool, or page files of HiCacheFile's directory."""
+    with _l3_of(spec) as store:
+        return _count(spec, store)
 
 
 def wait_until_stored(spec: ServerSpec, at_least: int, timeout: float = 120) -> int:
     """Wait until L3 holds at least `at_least` values (write-through reaches L3 after the reply)."""
     deadline = time.monotonic() + timeout
-    while True:
-        n = stored_pages(spec)
-        if n >= at_least or time.monotonic() > deadline:
-            return n
-        time.sleep(0.1)
+    with _l3_of(spec) as store:  # attached once, not once a poll
+        while True:
+            n = _count(spec, store)
+            if n >= at_least or time.monotonic() > deadline:
+                return n
+            time.sleep(0.1)
 
 
 def warm_up(writer: Server, reader: Server, spec: ServerSpec) -> None:
