@@ -1,4 +1,4 @@
-"""The prefix-tree scenario of `maru-shm bench` (#19): its trace, its reference tiers, and a tiny run.
+"""The prefix-tree scenario of `maru-shm bench`: its trace family, its reference tiers, and tiny runs.
 
 Nothing here asserts a goal: only that the trace is the tree it claims to be, that the reference tiers
 are exact on hand-made cases, and that a run through the real MaruStorage produces sane figures (a pool
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tools.benchmarks.prefixtree import (MAX_CONTEXT, PAGE_BYTES, HostCache, LRUTier, Trace, _figures, prefixtree,
-                                         seed_means)
+from tools.benchmarks.prefixrules import RULES, rules_off, variants_of
+from tools.benchmarks.prefixtree import (MAX_CONTEXT, PAGE_BYTES, SHAPES, HostCache, LRUTier, Trace, _figures,
+                                         host_pages, prefixtree, summary)
 from tools.benchmarks.report import render_prefixtree
 from tools.benchmarks.prefixtree_hybrid import HybridLRUTier, hybrid_model
 
@@ -33,6 +34,28 @@ def test_trace_is_a_seeded_prefix_tree():
     # shared system prompts: some conversations start with the same page
     starts = [prompt[0] for _, prompt, _ in t.requests]
     assert len(set(starts)) < len({c for c, _, _ in t.requests})
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_shape_keeps_its_parameters(name):
+    sh = SHAPES[name]
+    t = Trace(seed=7, requests=400, shape=sh)
+    roots = {p for p in range(t.pages) if t.parent[p] == -1}
+    assert len(roots) <= sh.system_prompts
+    assert all(sh.system_pages[0] <= len(prompt) for _, prompt, _ in t.requests)
+    last: dict = {}
+    for c, prompt, out in t.requests:
+        assert len(prompt) + len(out) <= sh.max_context
+        n, chain = last.get(c, (0, None))
+        n = n + 1 if chain is not None and prompt[:len(chain)] == chain else 1  # a turn, or a new conversation
+        assert sh.max_turns == 0 or n <= sh.max_turns
+        last[c] = (n, prompt + out)
+
+
+def test_host_l2_is_a_share_of_the_working_set_or_of_the_pool():
+    chat, rag = Trace(seed=3, requests=300, shape=SHAPES["chat"]), Trace(seed=3, requests=300, shape=SHAPES["rag"])
+    assert host_pages(chat, 10 << 30, PAGE_BYTES) == max(chat.shape.max_context, int(chat.pages / 12))
+    assert host_pages(rag, 1000 * PAGE_BYTES, PAGE_BYTES) == max(rag.shape.max_context, 125)
 
 
 def test_lru_tier_exact_on_hand_made_case():
@@ -78,7 +101,7 @@ def test_hybrid_lru_follows_batch_exists_v2():
 @pytest.fixture(scope="module")
 def tiny():
     # 0.8: a pool larger than the working set (nothing is evicted), 4: a pool that must evict
-    return prefixtree(requests=160, conversations=16, sizes=(0.8, 4.0))
+    return prefixtree(requests=160, conversations=16, sizes=(0.8, 4.0), variants=variants_of(["all"]))
 
 
 def test_tiny_run_structure_and_sanity(tiny):
@@ -87,36 +110,47 @@ def test_tiny_run_structure_and_sanity(tiny):
     for run in tiny["runs"].values():
         top = run["unbounded"]
         assert top["usable_live"] == 1.0 and top["tokens"] > 0
-        for name in ("ours", "today", "lru", "lru_held"):
+        for name in ("ours", "clock", "all", "lru", "lru_held"):
             r = run[name]
             assert 0 <= r["tokens"] <= top["tokens"]
             assert 0 < r["usable_live"] <= 1.0 and 0 < r["usable_file"] <= 1.0
     for rep in ("direct", "sglang"):
         whole = tiny["runs"][f"{rep}@0.8"]
         # a pool that holds every page evicts nothing: it serves all an unbounded one does
-        assert whole["ours"]["tokens"] == whole["today"]["tokens"] == whole["unbounded"]["tokens"]
+        assert whole["ours"]["tokens"] == whole["clock"]["tokens"] == whole["all"]["tokens"] == whole["unbounded"]["tokens"]
         assert whole["ours"]["usable_live"] == pytest.approx(1.0, abs=1e-4)  # the backend keeps a few bytes of its own
         small = tiny["runs"][f"{rep}@4"]
         assert small["ours"]["tokens"] < small["unbounded"]["tokens"]  # a quarter of the tree cannot serve it all
-    figs = _figures(tiny)
-    assert figs and all(FIGURE_KEYS <= set(f) for f in figs)
-    assert any(f["name"].startswith("share of the gap") for f in figs)
 
 
-def test_seed_means_average_each_run_over_the_seeds(tiny):
-    """Two seeds' tiny runs: the means are the runs' own figures averaged, the lowest usable / live the lower,
-    and the report prints every seed and the means."""
-    other = prefixtree(seed=12, requests=160, conversations=16, sizes=(0.8, 4.0))
+def test_summary_is_the_cells_own_figures(tiny):
+    """Two seeds' tiny runs: the summary's ratios are the cells' own, its worst the lowest, and the report
+    prints the summary and every cell."""
+    other = prefixtree(seed=12, requests=160, conversations=16, sizes=(0.8, 4.0), variants=variants_of(["all"]))
     assert other["pages"] != tiny["pages"]  # another trace
-    means = seed_means({11: {"plain": tiny}, 12: {"plain": other}})
-    for key, v in means["plain"].items():
-        runs = (tiny["runs"][key], other["runs"][key])
-        ratios = [r["ours"]["tokens"] / r["lru"]["tokens"] for r in runs]
-        assert v["vs_lru"] == pytest.approx(sum(ratios) / 2)
-        assert v["gap_share"] == pytest.approx(sum(r["ours"]["gap_share"] for r in runs) / 2)
-        assert v["usable_live_min"] == min(r["ours"]["usable_live"] for r in runs) <= v["usable_live"]
-    lines = render_prefixtree({"models": tiny, "by_seed": {11: {"plain": tiny}, 12: {"plain": other}}, "means": means})
-    assert "prefixtree seed 12:" in lines and sum("mean over seeds 11,12: plain" in x for x in lines) == 4
+    s = summary([tiny, other], ["all"])
+    runs = list(tiny["runs"].values()) + list(other["runs"].values())
+    vs_lru = [r["ours"]["tokens"] / r["lru"]["tokens"] for r in runs]
+    assert s["cells"] == 8 and s["vs_lru"]["mean"] == pytest.approx(sum(vs_lru) / 8) and s["vs_lru"]["min"] == min(vs_lru)
+    assert s["ab"]["all"]["min"] == min(r["ours"]["tokens"] / max(1, r["all"]["tokens"]) for r in runs)
+    assert s["usable_live_min"] == min(r["ours"]["usable_live"] for r in runs if r["replay"] == "direct")
+    result = {"shape": "chat", "summary": {"plain": s}, "by_seed": {11: {"plain": tiny}, 12: {"plain": other}}}
+    figs = _figures(result)
+    assert figs and all(FIGURE_KEYS <= set(f) for f in figs)
+    assert any(f["name"].startswith("A/B") for f in figs)
+    lines = render_prefixtree({"shapes": {"chat": result}})
+    assert sum(x.startswith("prefixtree chat plain seed") for x in lines) == 2 and "without all" in lines[0]
+
+
+def test_rules_off_restores_the_store():
+    from maru_shm.allocator import blockclock
+    from maru_shm.allocator.demand import DemandPolicy
+    before = blockclock._victim_order, DemandPolicy.donors
+    with rules_off(tuple(RULES)):
+        assert blockclock._victim_order is not before[0]
+    assert (blockclock._victim_order, DemandPolicy.donors) == before
+    with pytest.raises(ValueError):
+        variants_of(["no such rule"])
 
 
 def test_tiny_hybrid_run_matches_the_unbounded_pool_when_nothing_is_evicted():

@@ -211,7 +211,7 @@ def bounds(seed: int = 11, sizes=SIZES, progress=lambda f, note="": None, reques
     """Pages served over the second half by each contestant, LRU and unbounded, per replay and size, with the
     share of the gap won. Capacities are the prefix-tree scenario's pool sizes, whole."""
     m = PLAIN_MODEL
-    trace = Trace(seed, requests or m.requests, conversations or m.conversations, m.shape)
+    trace = Trace(seed, requests, conversations, m.shapes["chat"])
     working_set = replay(trace, LRUTier(None), False)["live_max"]
     ends, runs = session_ends(trace), {}
     steps = [(r, s) for r in ("direct", "sglang") for s in sizes]

@@ -1,35 +1,33 @@
-"""Prefix-tree scenario of `maru-shm bench`: an SGLang-like conversation trace through MaruStorage (#19).
+"""Prefix-tree scenario of `maru-shm bench`: a family of SGLang-like conversation traces through MaruStorage.
 
-The trace (seeded, `Trace`): conversations open with one of a few shared system prompts (Zipf-popular),
-then grow turn by turn: each request is the conversation so far plus a new user message, and its answer is
-appended after it. Conversations come back with Zipf popularity; one that outgrows the context starts a new
-session on its system prompt. Every page is a 128 KiB KV page of Llama-3.1-8B at page_size 1 (one token
-per page), keyed like SGLang's page-hash chain: a page's key names its whole prefix.
+A trace (seeded, `Trace`, its parameters a `Shape`): conversations open with one of a few shared system
+prompts (Zipf-popular), then grow turn by turn: each request is the conversation so far plus a new user
+message, and its answer is appended after it. Conversation slots come back with Zipf popularity; one that
+reaches its last turn or outgrows the context starts a new conversation on its system prompt. Every page is
+a 128 KiB KV page of Llama-3.1-8B at page_size 1 (one token per page), keyed like SGLang's page-hash
+chain: a page's key names its whole prefix. The family (`SHAPES`): chat, sglang, rag.
 
 Two replays of the same trace:
 
   direct     every request asks L3 for its whole prompt (batch_exists, then batch_get_v1 of the hit run)
              and writes what L3 did not have (batch_set_v1 with prefix_keys, as SGLang's backup does);
-  SGLang-like  INSTANCES servers, each with its own host-memory cache (a page LRU touched tail to head,
-             so it evicts leaves first as SGLang's radix tree does) and mostly sticky routing. A request
-             first takes the leading run its instance holds in host memory, asks L3 only for the rest with
-             the held keys as `prefix_keys` (SGLang's `hicache_storage_pass_prefix_keys: true`), and
-             backs up what it computed. The hot heads of chains stay in host memory and look cold to L3.
+  SGLang-like  the shape's instances, each with its own host L2 (a page LRU touched tail to head, so it
+             evicts leaves first as SGLang's radix tree does) and sticky routing. A request first takes the
+             leading run its instance holds in host memory, asks L3 only for the rest with the held keys as
+             `prefix_keys` (SGLang's `hicache_storage_pass_prefix_keys: true`), and backs up what it computed.
 
 Contestants, each on the same replay:
-  ours        MaruStorage made by SGLang's backend factory (prefix-aware eviction, the default);
-  today       the same with `maru_prefix_eviction: false` (the plain per-class CLOCK);
-  LRU         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages): the
-              goal's peer;
-  LRU held    the same over the most pages the pool held (its data area less the space no slab of 16 MiB
-              fits in): the policy alone, without the capacity the slabs cost;
+  ours        MaruStorage made by SGLang's backend factory (the default eviction);
+  clock       the same with `maru_prefix_eviction: false` (the plain per-class CLOCK);
+  variants    ours with rules switched off (prefixrules.py, `--prefixtree-ab`): the A/B of each rule;
+  LRU         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages);
+  LRU held    the same over the most pages the pool held: the policy alone, without the slabs' cost;
   unbounded   a pool that never evicts: the most any policy can serve.
 
-Pool sizes are the trace's working set (every page it writes, once: what an unbounded pool ends up
-holding in the direct replay) over 1.5, 3 and 6. Tokens served
-from L3 count over the second half of the trace; usable payload (pages whose whole prefix is stored: a
-leading run of some chain) is the mean of samples over the second half, over the file and over the live
-payload.
+Pool sizes are the trace's working set (every page it writes, once) over 1.5, 3 and 6. Tokens served from
+L3 count over the second half of the trace; usable payload (pages whose whole prefix is stored: a leading
+run of some chain) is the mean of samples over the second half, over the file and over the live payload.
+A cell is one (shape, seed, replay, size); the goals (VS_CLOCK ...) hold in every cell.
 """
 
 from __future__ import annotations
@@ -46,22 +44,41 @@ from .hostpool import _host_pool, _storage_config, maru_extra
 from .registry import figure, pool_path, progress_of, scenario
 
 PAGE_BYTES = 128 << 10  # Llama-3.1-8B, bf16, page_size 1: one token per page
-SYSTEM_PROMPTS = 12
-CONVERSATIONS, REQUESTS = 600, 4000
-ALPHA = 1.0  # Zipf popularity of conversations and of system prompts
+MAX_CONTEXT = 120  # the longest chain, at most one batch of SGLang's STORAGE_BATCH_SIZE (128): a chain is one call
 
 
 class Shape(NamedTuple):
-    """Page counts of a trace: (lo, hi) per system prompt, user message and answer; the longest chain."""
+    """A trace shape. Page counts are (lo, hi), drawn uniformly; popularity is Zipf(alpha) over a shuffled rank.
+
+    A conversation opens on its system prompt and grows by turns (a user message, then its answer); after
+    `max_turns` turns (0: no limit), or when the next turn would pass `max_context`, its slot starts a new
+    conversation on the same system prompt. The SGLang-like replay gives each of `instances` servers a host
+    L2 of `host_share` times the working set (or, with `host_of_pool`, times the L3 pool), routed sticky."""
+    system_prompts: int
     system_pages: tuple
+    system_alpha: float
+    conversations: int
+    conversation_alpha: float
     user_pages: tuple
     answer_pages: tuple
-    max_context: int  # at most one batch of SGLang's STORAGE_BATCH_SIZE (128): a chain is one call
+    max_turns: int
+    max_context: int
+    requests: int
+    instances: int
+    sticky: float
+    host_share: float
+    host_of_pool: bool
 
 
-PLAIN = Shape((8, 32), (1, 4), (1, 6), 120)
-MAX_CONTEXT = PLAIN.max_context
-INSTANCES, STICKY, HOST_SHARE = 4, 0.9, 1 / 12  # host pages per instance: HOST_SHARE x the working set
+# The family (`--prefixtree-shapes`). chat: the trace this scenario was built on. sglang: a second replay
+# tried as a new user would (issue #38's): fewer prompts, many slots, short conversations, an L2 of pool/8.
+# rag: long documents shared by many short question/answer suffixes.
+SHAPES = {
+    "chat": Shape(12, (8, 32), 1.0, 600, 1.0, (1, 4), (1, 6), 0, MAX_CONTEXT, 4000, 4, 0.9, 1 / 12, False),
+    "sglang": Shape(8, (10, 40), 0.8, 2000, 1.0, (1, 5), (1, 5), 10, MAX_CONTEXT, 3000, 4, 0.8, 1 / 8, True),
+    "rag": Shape(4, (60, 100), 1.0, 3000, 0.8, (1, 4), (1, 3), 2, MAX_CONTEXT, 3000, 4, 0.8, 1 / 8, True),
+}
+PLAIN = SHAPES["chat"]
 SIZES = (1.5, 3.0, 6.0)  # working set / pool
 SAMPLES = 6  # usable-payload samples over the second half
 
@@ -85,27 +102,31 @@ def _zipf(rng: random.Random, n: int, alpha: float) -> list[float]:
 class Trace:
     """Requests as (conversation, prompt page ids, answer page ids); page p's parent is parent[p] (-1: root)."""
 
-    def __init__(self, seed: int = 11, requests: int = REQUESTS, conversations: int = CONVERSATIONS,
+    def __init__(self, seed: int = 11, requests: int | None = None, conversations: int | None = None,
                  shape: Shape = PLAIN):
         rng = random.Random(seed)
         self.shape = shape
+        requests = requests or shape.requests
+        conversations = conversations or shape.conversations
         self.parent: list[int] = []
-        prompts = [self._chain(-1, rng.randint(*shape.system_pages)) for _ in range(SYSTEM_PROMPTS)]
-        sys_w = _zipf(rng, SYSTEM_PROMPTS, ALPHA)
-        system = rng.choices(range(SYSTEM_PROMPTS), weights=sys_w, k=conversations)
+        n_sys = shape.system_prompts
+        prompts = [self._chain(-1, rng.randint(*shape.system_pages)) for _ in range(n_sys)]
+        system = rng.choices(range(n_sys), weights=_zipf(rng, n_sys, shape.system_alpha), k=conversations)
         history = [list(prompts[s]) for s in system]
-        conv_w = _zipf(rng, conversations, ALPHA)
+        turns = [0] * conversations
+        conv_w = _zipf(rng, conversations, shape.conversation_alpha)
         self.requests = []
         self.leaves: list[list[int]] = []  # the last chain of every session: every stored page lies on one
         for c in rng.choices(range(conversations), weights=conv_w, k=requests):
             user, answer = rng.randint(*shape.user_pages), rng.randint(*shape.answer_pages)
-            if len(history[c]) + user + answer > shape.max_context:  # a new session on the same system prompt
-                self.leaves.append(history[c])
-                history[c] = list(prompts[system[c]])
+            if len(history[c]) + user + answer > shape.max_context or turns[c] == shape.max_turns > 0:
+                self.leaves.append(history[c])  # a new conversation on the same system prompt
+                history[c], turns[c] = list(prompts[system[c]]), 0
             prompt = history[c] + self._chain(history[c][-1], user)
             out = self._chain(prompt[-1], answer)
             self.requests.append((c, prompt, out))
             history[c] = prompt + out
+            turns[c] += 1
         self.leaves += history
         self.keys = [hashlib.sha256(b"prefixtree:%d:%d" % (seed, p)).hexdigest() for p in range(len(self.parent))]
 
@@ -212,18 +233,17 @@ class MaruTier(MaruBackend):
 
 
 class Model(NamedTuple):
-    """A model's trace shape, its contestants (maru(pool_size, prefix_eviction, tag), lru(capacity_bytes)) and
-    the tokens in one of its pages."""
+    """A model: its shape for each of the family's names, its contestants (maru(pool_size, prefix_eviction,
+    tag), lru(capacity_bytes)), the tokens in one of its pages and the bytes of one page in every pool."""
     name: str
-    shape: Shape
-    requests: int
-    conversations: int
+    shapes: dict
     maru: object
     lru: object
     page_tokens: int
+    page_bytes: int
 
 
-PLAIN_MODEL = Model("plain", PLAIN, REQUESTS, CONVERSATIONS, MaruTier, LRUTier, 1)
+PLAIN_MODEL = Model("plain", SHAPES, MaruTier, LRUTier, 1, PAGE_BYTES)
 
 
 def _usable(trace: Trace, tier) -> int:
@@ -257,30 +277,41 @@ class HostCache:
             items.popitem(last=False)
 
 
-def visits(trace: Trace, sglang_like: bool, seed: int = 3):
+def host_pages(trace: Trace, pool_bytes: int, page_bytes: int) -> int:
+    """Pages of one instance's host L2 (at least one chain's)."""
+    shape = trace.shape
+    share = shape.host_share * (pool_bytes / page_bytes if shape.host_of_pool else trace.pages)
+    return max(shape.max_context, int(share))
+
+
+def visits(trace: Trace, sglang_like: bool, seed: int = 3, host: int | None = None):
     """The requests as a replay serves them: (index, prompt, answer, leading pages its instance holds in
     host memory). L3 is asked for the rest of the prompt; the instance takes in the whole chain after the
-    caller has handled the request. The routing and the host caches do not depend on L3."""
+    caller has handled the request. The routing and the host caches (`host` pages each; default: the
+    shape's share of the working set) do not depend on L3."""
     rng = random.Random(seed)
-    hosts = [HostCache(max(trace.shape.max_context, int(trace.pages * HOST_SHARE))) for _ in range(INSTANCES)]
+    shape = trace.shape
+    cap = host or max(shape.max_context, int(trace.pages * shape.host_share))
+    hosts = [HostCache(cap) for _ in range(shape.instances)]
     for i, (c, prompt, out) in enumerate(trace.requests):
         host = None
         if sglang_like:
-            home = c % INSTANCES if rng.random() < STICKY else rng.randrange(INSTANCES)
+            home = c % shape.instances if rng.random() < shape.sticky else rng.randrange(shape.instances)
             host = hosts[home]
         yield i, prompt, out, host.held(prompt) if host is not None else 0
         if host is not None:
             host.insert(prompt + out)
 
 
-def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3) -> dict:
+def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed: int = 3,
+           host: int | None = None) -> dict:
     """Pages served from L3 over the second half (and asked of it), and usable / live payload samples."""
     keys, n = trace.keys, len(trace.requests)
     half = n // 2
     sample_at = {half + (n - half) * (i + 1) // SAMPLES - 1 for i in range(SAMPLES)}
     served = asked = 0
     usable, live = [], []
-    for i, prompt, out, h in visits(trace, sglang_like, seed):
+    for i, prompt, out, h in visits(trace, sglang_like, seed, host):
         chain = [keys[p] for p in prompt]
         m = 0
         if h < len(chain):
@@ -303,22 +334,27 @@ def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed:
 
 
 def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f: None,
-             model: Model = PLAIN_MODEL) -> dict:
-    """Every contestant at one pool size and replay: tokens served, usable / file, usable / live."""
+             model: Model = PLAIN_MODEL, variants: dict | None = None) -> dict:
+    """Every contestant at one pool size and replay: tokens served, usable / file, usable / live.
+    `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant."""
+    from .prefixrules import rules_off
+    host = host_pages(trace, pool_size, model.page_bytes) if sglang_like else None
     out = {}
-    for name, prefix in (("ours", True), ("today", False)):
-        tier = model.maru(pool_size, prefix, f"prefixtree-{name}")
-        try:
-            r = replay(trace, tier, sglang_like, progress)
-            r.update(file_bytes=tier.file_bytes, data_bytes=tier.data_bytes)
-            assert tier.check()
-        finally:
-            tier.close()
+    contestants = [("ours", True, ()), ("clock", False, ())] + [(k, True, v) for k, v in (variants or {}).items()]
+    for name, prefix, off in contestants:
+        with rules_off(off):
+            tier = model.maru(pool_size, prefix, f"prefixtree-{name}")
+            try:
+                r = replay(trace, tier, sglang_like, progress, host=host)
+                r.update(file_bytes=tier.file_bytes, data_bytes=tier.data_bytes)
+                assert tier.check()
+            finally:
+                tier.close()
         out[name] = r
     ours = out["ours"]
     held = ours["live_max"]  # what the pool itself held: LRU with the pool's own capacity
     for name, cap in (("lru", ours["data_bytes"]), ("lru_held", held), ("unbounded", None)):
-        r = replay(trace, model.lru(cap), sglang_like)
+        r = replay(trace, model.lru(cap), sglang_like, host=host)
         r.update(file_bytes=ours["file_bytes"], data_bytes=ours["data_bytes"], capacity_pages=cap)
         out[name] = r
     for r in out.values():
@@ -332,78 +368,94 @@ def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f:
 
 
 def prefixtree(seed: int = 11, sizes=SIZES, progress=lambda f, note="": None, requests: int | None = None,
-               conversations: int | None = None, model: Model = PLAIN_MODEL) -> dict:
-    trace = Trace(seed, requests or model.requests, conversations or model.conversations, model.shape)
+               conversations: int | None = None, model: Model = PLAIN_MODEL, shape: str = "chat",
+               variants: dict | None = None, scale: float = 1.0) -> dict:
+    """One shape's trace for one model, every replay and size. `scale`: the shape's requests times this."""
+    sh = model.shapes[shape]
+    trace = Trace(seed, requests or max(1, int(sh.requests * scale)), conversations, sh)
     working_set = replay(trace, model.lru(None), False)["live_max"]  # every page the trace writes, once
     runs = {}
     steps = [(r, s) for r in ("direct", "sglang") for s in sizes]
     for k, (rep, ratio) in enumerate(steps):
         pool = int(working_set / ratio)
-        note = f"{model.name} model, {rep} replay, working set {ratio:g}x the pool"
-        res = run_size(trace, pool, rep == "sglang", lambda f: progress((k + f) / len(steps), note), model)
+        note = f"{shape} shape, {model.name} model, {rep} replay, working set {ratio:g}x the pool"
+        res = run_size(trace, pool, rep == "sglang", lambda f: progress((k + f) / len(steps), note), model, variants)
         runs[f"{rep}@{ratio:g}"] = {"replay": rep, "ratio": ratio, "pool_bytes": pool, **res}
-    return {"model": model.name, "working_set_bytes": working_set, "pages": trace.pages,
-            "requests": len(trace.requests), "sessions": len(trace.leaves), "runs": runs}
+    return {"model": model.name, "shape": shape, "seed": seed, "working_set_bytes": working_set,
+            "pages": trace.pages, "requests": len(trace.requests), "sessions": len(trace.leaves), "runs": runs}
 
 
 NAME = "prefixtree"
+# The goals, in every cell (shape, seed, replay, size) of both models: tokens from L3 at least these times the
+# plain CLOCK's and exact LRU's (and LRU's on the mean over the cells); usable / live on the direct replay.
+VS_CLOCK, VS_LRU, VS_LRU_MEAN, USABLE_LIVE = 0.995, 0.97, 1.0, 0.95
 
 
-def gap_is_a_goal(run: dict) -> bool:
-    """#19 sets a goal for the share of the gap won only in the SGLang-like replay at 3x and 6x."""
-    return run["replay"] == "sglang" and run["ratio"] >= 3
+def cells(results: list) -> list:
+    """Every (result, run) of a list of `prefixtree` results."""
+    return [(r, run) for r in results for run in r["runs"].values()]
+
+
+def summary(results: list, variants=()) -> dict:
+    """Over the cells of `results` (one shape and model, any seeds): ours / plain CLOCK and ours / LRU (mean,
+    worst), the lowest usable / live of the direct replay, and per variant ours / variant (mean, worst): what
+    the rule it switches off wins."""
+    rows = cells(results)
+
+    def ratios(a, b):
+        v = [run[a]["tokens"] / max(1, run[b]["tokens"]) for _, run in rows]
+        return {"mean": float(np.mean(v)), "min": float(min(v)), "max": float(max(v))}
+    direct = [run["ours"]["usable_live"] for _, run in rows if run["replay"] == "direct"]
+    return {"cells": len(rows), "vs_clock": ratios("ours", "clock"), "vs_lru": ratios("ours", "lru"),
+            "clock_vs_lru": ratios("clock", "lru"),
+            "usable_live_min": float(min(direct)) if direct else None,
+            "usable_file_min": float(min(run["ours"]["usable_file"] for _, run in rows)),
+            "ab": {v: ratios("ours", v) for v in variants}}
 
 
 def _figures(r: dict) -> list:
+    """One shape's figures: per model, its goals over the cells, and the A/B of each variant."""
     figs = []
-    for run in r["runs"].values():
-        ours, lru, today, top = run["ours"], run["lru"], run["today"], run["unbounded"]
-        where = f"{r['model']} model, {run['replay']} replay, working set {run['ratio']:g}x pool"
-        figs.append(figure(f"tokens from L3, {where}", ours["tokens"], lru["tokens"], "exact per-object LRU",
-                           goal=">= LRU", met=ours["tokens"] >= lru["tokens"], today=today["tokens"],
-                           unbounded=top["tokens"]))
-        figs.append(figure(f"usable / live payload, {where}", ours["usable_live"], today["usable_live"],
-                           "maru_prefix_eviction false", goal=">= 0.95", met=ours["usable_live"] >= 0.95,
-                           lru=lru["usable_live"]))
-        figs.append(figure(f"usable payload / file, {where}", ours["usable_file"], today["usable_file"],
-                           "maru_prefix_eviction false", lru=lru["usable_file"]))
-        if gap_is_a_goal(run):
-            figs.append(figure(f"share of the gap LRU -> unbounded won, {where}", ours["gap_share"],
-                               today["gap_share"], "maru_prefix_eviction false", goal=">= 0.25",
-                               met=ours["gap_share"] >= 0.25))
+    for model, s in r["summary"].items():
+        where = f"{r['shape']} shape, {model} model, {s['cells']} cells"
+        figs.append(figure(f"tokens from L3 / plain CLOCK, worst cell, {where}", s["vs_clock"]["min"], None, None,
+                           goal=f">= {VS_CLOCK}", met=s["vs_clock"]["min"] >= VS_CLOCK, mean=s["vs_clock"]["mean"]))
+        figs.append(figure(f"tokens from L3 / exact LRU, worst cell, {where}", s["vs_lru"]["min"], None, None,
+                           goal=f">= {VS_LRU}", met=s["vs_lru"]["min"] >= VS_LRU))
+        figs.append(figure(f"tokens from L3 / exact LRU, mean, {where}", s["vs_lru"]["mean"], None, None,
+                           goal=f">= {VS_LRU_MEAN}", met=s["vs_lru"]["mean"] >= VS_LRU_MEAN))
+        if s["usable_live_min"] is not None:
+            figs.append(figure(f"usable / live payload, lowest direct cell, {where}", s["usable_live_min"], None, None,
+                               goal=f">= {USABLE_LIVE}", met=s["usable_live_min"] >= USABLE_LIVE))
+        for v, ab in s["ab"].items():
+            figs.append(figure(f"A/B: tokens with / without {v}, mean, {where}", ab["mean"], None, None,
+                               worst=ab["min"]))
     return figs
 
 
 @scenario(NAME)
 def bench_prefixtree(args) -> dict:
+    from .prefixrules import variants_of
     from .prefixtree_hybrid import hybrid_model
     progress = progress_of(args)
-    seeds = list(getattr(args, "prefixtree_seeds", None) or [11])
-    runs, figs = {}, []
-    for i, seed in enumerate(seeds):
-        def part(k, i=i, seed=seed):
-            return lambda f, note="": progress((2 * i + k + f) / (2 * len(seeds)), f"seed {seed}, {note}")
-        models = {"plain": prefixtree(seed, progress=part(0)),
-                  "hybrid": prefixtree(seed, model=hybrid_model(), progress=part(1))}
-        runs[seed] = models
-        where = f"seed {seed}, " if len(seeds) > 1 else ""
-        figs += [{**f, "name": where + f["name"]} for m in models.values() for f in _figures(m)]
-    return {"scenario": NAME, "seeds": seeds, "models": runs[seeds[0]], "by_seed": runs,
-            "means": seed_means(runs) if len(seeds) > 1 else None, "figures": figs}
-
-
-def seed_means(runs: dict) -> dict:
-    """Per model and run ('plain' -> 'sglang@3' -> ...): the means over the seeds of ours / LRU, of the gap
-    won and of usable / live, and the lowest usable / live. One trace's figures move with its seed."""
-    rows: dict = {}
-    for models in runs.values():
-        for name, m in models.items():
-            for key, run in m["runs"].items():
-                o = run["ours"]
-                rows.setdefault(name, {}).setdefault(key, []).append(
-                    (o["tokens"] / max(1, run["lru"]["tokens"]), o["gap_share"], o["usable_live"], gap_is_a_goal(run)))
-    return {name: {key: {"vs_lru": float(np.mean([v[0] for v in vals])), "gap_goal": vals[0][3],
-                         "gap_share": float(np.mean([v[1] for v in vals])),
-                         "usable_live": float(np.mean([v[2] for v in vals])),
-                         "usable_live_min": float(min(v[2] for v in vals))}
-                   for key, vals in keyed.items()} for name, keyed in rows.items()}
+    seeds = list(getattr(args, "prefixtree_seeds", None) or [11, 12, 13])
+    shapes = list(getattr(args, "prefixtree_shapes", None) or SHAPES)
+    variants = variants_of(getattr(args, "prefixtree_ab", None) or [])
+    wanted = getattr(args, "prefixtree_models", None) or ["plain", "hybrid"]
+    models = [m for name, m in (("plain", lambda: PLAIN_MODEL), ("hybrid", hybrid_model)) if name in wanted]
+    models = [m() for m in models]
+    steps = [(sh, seed, m) for sh in shapes for seed in seeds for m in models]
+    by_shape: dict = {}
+    for k, (sh, seed, m) in enumerate(steps):
+        def part(f, note="", k=k, seed=seed):
+            progress((k + f) / len(steps), f"seed {seed}, {note}")
+        res = prefixtree(seed, progress=part, model=m, shape=sh, variants=variants,
+                         scale=getattr(args, "prefixtree_scale", None) or 1.0)
+        by_shape.setdefault(sh, {}).setdefault(seed, {})[m.name] = res
+    out, figs = {}, []
+    for sh, by_seed in by_shape.items():
+        summ = {m.name: summary([by_seed[seed][m.name] for seed in seeds], variants) for m in models}
+        out[sh] = {"shape": sh, "by_seed": by_seed, "summary": summ}
+        figs += _figures(out[sh])
+    return {"scenario": NAME, "seeds": seeds, "shapes": out, "variants": {k: list(v) for k, v in variants.items()},
+            "figures": figs}

@@ -20,9 +20,15 @@ from collections import OrderedDict
 from .hybrid import PAGE, RATIOS, SWA_PAGE, _indexer_pool, _v4_pool
 from .prefixtree import MaruBackend, Model, Shape
 
-HYBRID = Shape((2, 8), (1, 2), (1, 2), 40)
+# The family's shapes in 256-token pages (prefixtree.SHAPES), every chain within HYBRID_CONTEXT pages.
+HYBRID_CONTEXT = 40
+SHAPES = {
+    "chat": Shape(12, (2, 8), 1.0, 200, 1.0, (1, 2), (1, 2), 0, HYBRID_CONTEXT, 1500, 4, 0.9, 1 / 12, False),
+    "sglang": Shape(8, (3, 10), 0.8, 600, 1.0, (1, 2), (1, 2), 10, HYBRID_CONTEXT, 1500, 4, 0.8, 1 / 8, True),
+    "rag": Shape(4, (15, 25), 1.0, 900, 0.8, (1, 1), (1, 1), 2, HYBRID_CONTEXT, 1500, 4, 0.8, 1 / 8, True),
+}
+HYBRID = SHAPES["chat"]
 LAYERS = 3  # per compressed pool
-REQUESTS, CONVERSATIONS = 1500, 200
 
 
 def _config(extra: dict):
@@ -47,7 +53,7 @@ class HybridMaruTier(MaruBackend):
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
         from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
 
-        n = HYBRID.max_context
+        n = HYBRID_CONTEXT
         anchor = LogicalHostPool(n * PAGE, PAGE, layout="page_first_direct")
         super().__init__(pool_size, prefix_eviction, tag, anchor, _config)
         b = self.backend
@@ -149,5 +155,5 @@ def hybrid_model() -> Model:
         sizes = probe.sizes
     finally:
         probe.close()
-    return Model("hybrid", HYBRID, REQUESTS, CONVERSATIONS, HybridMaruTier,
-                 functools.partial(HybridLRUTier, sizes=sizes), PAGE)
+    page_bytes = sum(sizes.values())
+    return Model("hybrid", SHAPES, HybridMaruTier, functools.partial(HybridLRUTier, sizes=sizes), PAGE, page_bytes)

@@ -202,17 +202,33 @@ def _paired(row: dict, name: str) -> str:
 
 
 def render_prefixtree(r: dict) -> list[str]:
-    by_seed = r.get("by_seed") or {11: r["models"]}
+    """Per shape and model: the summary over its cells, then one line per cell (seed, replay, size)."""
     out = []
-    for seed, models in by_seed.items():
-        if len(by_seed) > 1:
-            out.append(f"prefixtree seed {seed}:")
-        out += _prefixtree_models(models)
-    for name, keyed in (r.get("means") or {}).items():
-        for key, v in keyed.items():
-            gap = f", gap won {v['gap_share']:+.2f}" if v.get("gap_goal") else ""
-            out.append(f"prefixtree mean over seeds {','.join(map(str, by_seed))}: {name} {key}: ours / LRU "
-                       f"x{v['vs_lru']:.3f}{gap}, usable/live {v['usable_live']:.3f} (lowest {v['usable_live_min']:.3f})")
+    for sh, x in r["shapes"].items():
+        for name, s in x["summary"].items():
+            ab = "".join(f"; without {v}: x{a['mean']:.3f} (worst x{a['min']:.3f})" for v, a in s["ab"].items())
+            ul = "n/a" if s["usable_live_min"] is None else f"{s['usable_live_min']:.3f}"
+            out.append(f"prefixtree {sh} {name} ({s['cells']} cells): ours / plain CLOCK x{s['vs_clock']['mean']:.3f} "
+                       f"(worst x{s['vs_clock']['min']:.3f}), ours / LRU x{s['vs_lru']['mean']:.3f} (worst "
+                       f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}; lowest "
+                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; ours / variant{ab}")
+        for seed, models in x["by_seed"].items():
+            for m in models.values():
+                out += _prefixtree_cells(m)
+    return out
+
+
+def _prefixtree_cells(m: dict) -> list[str]:
+    out = [f"prefixtree {m['shape']} {m['model']} seed {m['seed']}: {m['requests']} requests, {m['pages']} pages "
+           f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions"]
+    for run in m["runs"].values():
+        o = run["ours"]
+        others = " / ".join(f"{k} {run[k]['tokens']:,}" for k in run
+                            if isinstance(run[k], dict) and k not in ("ours", "lru", "lru_held", "unbounded"))
+        out.append(f"  {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens ours "
+                   f"{o['tokens']:,} / {others} / LRU {run['lru']['tokens']:,} (held {run['lru_held']['tokens']:,}) / "
+                   f"unbounded {run['unbounded']['tokens']:,}; usable/live {o['usable_live']:.3f}, usable/file "
+                   f"{o['usable_file']:.3f}")
     return out
 
 
@@ -224,22 +240,4 @@ def render_prefixbounds(r: dict) -> list[str]:
             shares = ", ".join(f"{name.replace('_', ' ')} {g[name]:+.2f}" for name in p if name not in ("lru", "unbounded"))
             out.append(f"prefixbounds seed {seed} {run['replay']:<6} {run['ratio']:g}x: pages LRU {p['lru']:,} / "
                        f"unbounded {p['unbounded']:,}; gap won: {shares}")
-    return out
-
-
-def _prefixtree_models(models: dict) -> list[str]:
-    out = []
-    for m in models.values():
-        out.append(f"prefixtree {m['model']} model: {m['requests']} requests, {m['pages']} pages "
-                   f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions")
-        for run in m["runs"].values():
-            c = {k: run[k] for k in ("ours", "today", "lru", "lru_held", "unbounded")}
-            out.append(
-                f"prefixtree {m['model']} {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): "
-                f"tokens from L3 ours {c['ours']['tokens']:,} / LRU {c['lru']['tokens']:,} "
-                f"(x{c['ours']['tokens'] / max(1, c['lru']['tokens']):.3f}; LRU held {c['lru_held']['tokens']:,}) / "
-                f"plain CLOCK {c['today']['tokens']:,} / unbounded {c['unbounded']['tokens']:,}; gap won "
-                f"{c['ours']['gap_share']:+.2f} (plain {c['today']['gap_share']:+.2f}); usable/live "
-                f"{c['ours']['usable_live']:.3f} (plain {c['today']['usable_live']:.3f}, LRU "
-                f"{c['lru']['usable_live']:.3f}); usable/file {c['ours']['usable_file']:.3f}")
     return out

@@ -73,9 +73,16 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
     g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
     g = p.add_argument_group("prefixtree, prefixbounds")
-    g.add_argument("--prefixtree-seeds", default=[11], type=_seed_list,
-                   help="seeds of the conversation trace, comma separated (default 11); with several, each seed's "
-                        "figures and their means (the figures move with the seed, see BENCHMARKS.md)")
+    g.add_argument("--prefixtree-seeds", default=[11, 12, 13], type=_seed_list,
+                   help="seeds of the conversation trace, comma separated (default 11,12,13); the goals hold in "
+                        "every seed's cells")
+    g.add_argument("--prefixtree-shapes", type=_names, help="prefixtree: trace shapes, comma separated "
+                   "(default every one: chat, sglang, rag)")
+    g.add_argument("--prefixtree-scale", type=float, default=1.0,
+                   help="prefixtree: each shape's requests times this (default 1; smaller for a quick A/B)")
+    g.add_argument("--prefixtree-models", type=_names, help="prefixtree: plain, hybrid or both (default both)")
+    g.add_argument("--prefixtree-ab", type=_names, help="prefixtree: rules of the default eviction to switch off, "
+                   "each in a variant of its own, comma separated (tools/benchmarks/prefixrules.py; 'all': every one)")
     g = p.add_argument_group("e2e")
     g.add_argument("--e2e-lengths", default=[512, 2048, 8192], type=_int_list,
                    help="prompt lengths in tokens (default 512,2048,8192)")
@@ -101,6 +108,9 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 def _seed_list(text: str) -> list[int]:
     xs = _ints(text)

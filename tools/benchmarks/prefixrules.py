@@ -1,0 +1,123 @@
+"""The rules of the default eviction, each switched off for an A/B (`--prefixtree-ab`): what each one wins.
+
+A variant is the default (relation records written) with some rules replaced, in this process only, by what
+the store does without them. `all` switches every rule off: the plain CLOCK plus the group dooms alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+
+def _no_touch():
+    from maru_sglang.lineage import Lineage
+    return [(Lineage, "touch", lambda self, extra_info: None)]
+
+
+def _no_roots():
+    from maru_shm.allocator import blockclock
+
+    def order(plain, rows, valid):  # tail first, segment by segment; roots like any other segment
+        if not len(plain):
+            return plain
+        ok = valid[plain]
+        key = np.where(ok, rows["group"][plain], 0)
+        _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
+        seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
+        depth = np.where(ok, (rows["depth"][plain] & blockclock.DEPTH_MAX).astype(np.int64), 0)
+        return plain[np.lexsort((-depth, seg))]
+    return [(blockclock, "_victim_order", order)]
+
+
+def _no_order():
+    from maru_shm.allocator import blockclock
+    return [(blockclock, "_victim_order", lambda plain, rows, valid: plain)]
+
+
+def _no_stranded_search():
+    from maru_shm.allocator.blockclock import BlockClock
+    from maru_shm.allocator.facade import Allocator
+    evict = BlockClock.evict_blocks
+
+    def evict_blocks(self, info, m, stranded_only=False):
+        return 0 if stranded_only else evict(self, info, m)
+    return [(BlockClock, "evict_blocks", evict_blocks), (Allocator, "reclaim_stranded", lambda self: 0)]
+
+
+def _no_relocation():
+    from maru_shm.allocator.demand import DemandPolicy, Donors
+    from maru_shm.allocator.slabmover import SlabMover
+    donors = DemandPolicy.donors
+
+    def only_evicting(self, info):
+        d = donors(self, info)
+        return Donors(np.zeros(0, dtype=np.int64), d.evict)
+    return [(DemandPolicy, "donors", only_evicting),
+            (SlabMover, "_relocate", lambda self, slabs, live, lengths, where, dead: np.zeros(len(live), dtype=bool))]
+
+
+def _no_retention():
+    """A class with a slab evicts its own blocks (a move only into a class with none, or when it finds no
+    victim); relocating moves from any class, which take only slabs whose values fit elsewhere."""
+    from maru_shm.allocator.demand import DemandPolicy, Donors
+
+    def donors(self, info):
+        has = self.cls_nslabs > 0
+        if not has[info.cid]:
+            every = np.flatnonzero(has)
+            return Donors(every, every)
+        others = has.copy()
+        others[info.cid] = False
+        return Donors(np.flatnonzero(others), np.zeros(0, dtype=np.int64))
+    return [(DemandPolicy, "donors", donors)]
+
+
+def _no_birth_ref():
+    from maru_shm.allocator.relations import Relations
+    write = Relations.write
+
+    def quiet(self, offsets, live_words, rel):
+        write(self, offsets, live_words, rel)
+        return np.zeros(0, dtype=np.int64)  # no granule's ref is set
+    return [(Relations, "write", quiet)]
+
+
+RULES = {
+    "touch": _no_touch,            # lookups and writes touch their prefix keys
+    "roots": _no_roots,            # values of root segments go last in a chunk
+    "order": _no_order,            # a chunk's victims segment by segment, tail first, roots last
+    "stranded": _no_stranded_search,  # stranded values searched for before a move or CLOCK victim, and reclaimed
+    "retention": _no_retention,    # slab moves balance the classes' retention
+    "relocation": _no_relocation,  # a slab move first moves its values to free blocks of their class
+    "birthref": _no_birth_ref,     # a value with a record starts used
+}
+
+
+def variants_of(names) -> dict:
+    """`--prefixtree-ab` names -> {variant: rules off}; 'all' is every rule at once."""
+    out = {}
+    for n in names:
+        if n == "all":
+            out["all"] = tuple(RULES)
+        elif n in RULES:
+            out[n] = (n,)
+        else:
+            raise ValueError(f"unknown rule {n!r} (known: {', '.join(RULES)}, all)")
+    return out
+
+
+@contextlib.contextmanager
+def rules_off(names):
+    """Within: the default without these rules (module attributes replaced, restored on the way out)."""
+    saved = []
+    try:
+        for n in names:
+            for owner, attr, value in RULES[n]():
+                saved.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, value)
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
