@@ -101,7 +101,7 @@ class PageTier:
             self._touch(prefix)
         return m
 
-    def get(self, keys, prefix) -> None:
+    def get(self, keys, prefix, copy: bool = True) -> None:
         self._touch(keys)
 
     def set(self, keys, prefix) -> None:

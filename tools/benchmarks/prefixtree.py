@@ -81,6 +81,9 @@ SHAPES = {
 PLAIN = SHAPES["chat"]
 SIZES = (1.5, 3.0, 6.0)  # working set / pool
 SAMPLES = 6  # usable-payload samples over the second half
+# One get in this many copies its pages; the others only mark them read (Store.touch: the ref bits a get
+# sets). What a get does to eviction is the same; the copies would cost most of a replay's time.
+COPY_EVERY = 16
 
 
 def leading_run(items, keys) -> int:
@@ -154,7 +157,7 @@ class LRUTier:
     def exists(self, keys, prefix) -> int:
         return leading_run(self.items, keys)
 
-    def get(self, keys, prefix) -> None:
+    def get(self, keys, prefix, copy: bool = True) -> None:
         for k in keys:
             self.items.move_to_end(k)
 
@@ -198,6 +201,10 @@ class MaruBackend:
     def live_bytes(self) -> int:
         return self.backend.store.stats()["live_bytes"]
 
+    def touch(self, digests) -> None:
+        """What a get does to eviction (the ref bits of the values read), without the copy."""
+        assert self.backend.store.touch(digests) == len(digests), "a page batch_exists reported is gone"
+
     def check(self) -> bool:
         return self.backend.store.check().ok
 
@@ -220,9 +227,12 @@ class MaruTier(MaruBackend):
     def exists(self, keys, prefix) -> int:
         return self.backend.batch_exists(keys, self.info(prefix))
 
-    def get(self, keys, prefix) -> None:
-        ok = self.backend.batch_get_v1(keys, self.idx[:len(keys)], self.info(prefix))
-        assert all(ok), "a page batch_exists reported is gone (nothing else writes this pool)"
+    def get(self, keys, prefix, copy: bool = True) -> None:
+        if copy:
+            ok = self.backend.batch_get_v1(keys, self.idx[:len(keys)], self.info(prefix))
+            assert all(ok), "a page batch_exists reported is gone (nothing else writes this pool)"
+        else:
+            self.touch(self.backend.keyspace.digests(keys))
 
     def set(self, keys, prefix) -> None:
         ok = self.backend.batch_set_v1(keys, self.idx[:len(keys)], self.info(prefix))
@@ -317,7 +327,7 @@ def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed:
         if h < len(chain):
             m = tier.exists(chain[h:], chain[:h])
             if m:
-                tier.get(chain[h:h + m], chain[:h])
+                tier.get(chain[h:h + m], chain[:h], copy=i % COPY_EVERY == 0)
         full = chain + [keys[p] for p in out]
         if h + m < len(full):
             tier.set(full[h + m:], full[:h + m])

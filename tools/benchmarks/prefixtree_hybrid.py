@@ -82,7 +82,14 @@ class HybridMaruTier(MaruBackend):
     def exists(self, keys, prefix) -> int:
         return self.backend.batch_exists_v2(keys, self.query, self.info(prefix)).kv_hit_pages
 
-    def get(self, keys, prefix) -> None:
+    def get(self, keys, prefix, copy: bool = True) -> None:
+        if not copy:
+            h = self.backend.hybrid
+            self.touch(self.backend.keyspace.digests(keys))
+            for x in self.full:
+                self.touch(h.digests(h.spec(x), keys))
+            self.touch(h.digests(h.spec("swa"), keys[-1:]))
+            return
         info = self.info(prefix)
         ok = self.backend.batch_get_v1(keys, self.kv_idx[:len(keys) * PAGE], info)
         res = self.backend.batch_get_v2(self._transfers(keys), info)
@@ -128,7 +135,7 @@ class HybridLRUTier:
     def _objects(self, keys):
         return [(x, k) for k in keys for x in self.full] + ([("swa", keys[-1])] if keys else [])
 
-    def get(self, keys, prefix) -> None:
+    def get(self, keys, prefix, copy: bool = True) -> None:
         for o in self._objects(keys):
             self.items.move_to_end(o)
 
