@@ -2,8 +2,8 @@
 
 A page serves only while every page before it in its prompt's chain is stored too (SGLang asks
 `batch_exists` for the chain and uses the leading run), and for a hybrid model only while its pages in the
-other pools are stored as well. The store orders its evictions by relation records (maru_shm, FORMAT.md
-section 6a); this module writes them:
+other pools are stored as well. The store evicts first what relation records say can no longer be a hit (maru_shm,
+FORMAT.md section 6a); this module writes them:
 
 - One set call is one *segment*. SGLang's keys arrive in chain order, so a key's position in the call is
   its position in the segment. With `hicache_storage_pass_prefix_keys: true` SGLang passes every key
@@ -17,13 +17,6 @@ section 6a); this module writes them:
   request (v1 KV pages, v2 pages under the same keys) share it, and two continuations of one prefix do not.
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
   segment when it goes.
-- A page written with its record starts used (the store sets its ref bit): it continues a request that just
-  ran, and that conversation's next turn reads it.
-- Lookups that hit mid-chain (SGLang holds the head in host memory; `batch_exists` precedes every
-  prefetch, so the get that follows need not touch again) and writes of a suffix *touch* the prefix keys,
-  so a head is as used as its most used continuation. For a hybrid model the touch reaches the KV
-  anchor's values only, not the other pools' pages: touching those too served 3-11 % fewer tokens in
-  the SGLang-like prefix-tree replay (hosts hold those heads; their pool copies are better given up).
 
 `maru_prefix_eviction: false` turns all of this off (the plain per-class CLOCK).
 """
@@ -119,13 +112,6 @@ class Lineage:
         """After the segment's pages are written: a segment whose parent is gone is doomed at once."""
         if seg is not None and seg.orphan:
             self.storage.store.doom_segment(seg.group)
-
-    @_quiet
-    def touch(self, extra_info) -> None:
-        """Mark the prefix keys' pages as used (see the module docstring)."""
-        prefix = self._prefix(extra_info) if self.enabled else None
-        if prefix:
-            self.storage.store.touch(self.storage.keyspace.digests(prefix))
 
     @_quiet
     def segment_v2(self, transfers, extra_info=None) -> Optional[Segment]:

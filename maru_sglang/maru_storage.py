@@ -177,8 +177,6 @@ class MaruStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
         local = self.local_exists(keys)
-        if local:  # SGLang asks this before every prefetch, with the same prefix_keys: the one place reads touch
-            self.lineage.touch(extra_info)
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 
     def local_exists(self, keys: List[str]) -> int:
@@ -204,7 +202,6 @@ class MaruStorage(HiCacheStorage):
         seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
         res = self.local_set_v1(keys, host_indices, self.lineage.records(seg, keys))
         self.lineage.stored(seg)
-        self.lineage.touch(extra_info)
         if self.tiers is not None and keys and self.is_writer:
             return self.tiers.write_through(keys, host_indices, res)
         return res
@@ -245,8 +242,6 @@ class MaruStorage(HiCacheStorage):
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
         local = self.hybrid.batch_exists_v2(keys, pool_transfers)
-        if local.kv_hit_pages:
-            self.lineage.touch(extra_info)
         return self.tiers.exists_v2(keys, pool_transfers, local) if self.tiers is not None else local
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
@@ -259,7 +254,6 @@ class MaruStorage(HiCacheStorage):
         seg = self.lineage.segment_v2(transfers, extra_info)
         res = self.hybrid.batch_io_v2(transfers, write=True, segment=seg)
         self.lineage.stored(seg)
-        self.lineage.touch(extra_info)
         if self.tiers is None:
             return res
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)

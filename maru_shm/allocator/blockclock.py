@@ -4,11 +4,9 @@ The hand (class entry `hand`) walks the class's blocks in address order (slabs b
 index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is cleared as the hand
 passes. RESERVED, FREE, owned and pinned blocks are skipped.
 
-Where the blocks under the hand carry relation records (relations.py), the choice within each chunk the
-hand reads is ordered: stranded values first (whatever their ref), then unreferenced ones segment by
-segment, deepest first, so a chain loses its tail before its head, and the values of root segments last of
-all: a root's doom strands every chain under it. Each victim's segment is then doomed for the other
-classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
+Where the blocks under the hand carry relation records (relations.py), the stranded values of each chunk
+the hand reads go first (whatever their ref), then the unreferenced ones in ring order. Each victim's
+segment is then doomed for the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
 slabs at a time, and leaves the hand where it is.
 """
 
@@ -20,7 +18,7 @@ from .. import crashpoints as _cp
 from ..format import CLS_HAND, LIVE, U64
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
-from .relations import DEPTH_MAX, Relations
+from .relations import Relations
 from .release import BlockRelease
 from .slabtable import SlabTable
 
@@ -189,9 +187,9 @@ class BlockClock:
     def _choose(self, g, q, eligible, ref, want: int, related: list, since: int | None):
         """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
 
-        Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
-        stranded values first, then unreferenced ones in `_victim_order`; the records of the related
-        victims go to `related` for the doom.
+        The first unreferenced blocks in ring order (the plain CLOCK), after the stranded values of the chunk
+        (whatever their ref) where blocks carry relation records; the records of the related victims go to
+        `related` for the doom.
         """
         rel = self.relations
         rows = valid = None
@@ -205,8 +203,7 @@ class BlockClock:
             return victims, chosen
         by_group, by_parent = rel.stranded(rows, valid, since)
         stranded = eligible & (by_group | by_parent)
-        plain = _victim_order(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
-        victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
+        victims = np.concatenate([np.flatnonzero(stranded), np.flatnonzero(eligible & ~ref & ~stranded)])[:want]
         chosen = np.zeros(len(g), dtype=bool)
         chosen[victims] = True
         mine = victims[valid[victims]]
@@ -243,25 +240,3 @@ class BlockClock:
             if _cp.ARMED is not None:
                 _cp.hit("evict.block_mid")
         return freed, evicted, evicted_bytes
-
-
-
-
-def _victim_order(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Unreferenced candidates (chunk positions, ring order) reordered: the values of root segments (a record
-    without parent) after all others; then segment by segment, in the order of each segment's first
-    candidate, and deepest first within a segment. A value without a record is a segment of its own, not a
-    root: a pool without records is evicted exactly as by the plain CLOCK.
-
-    A root segment is a chain's first (a system prompt, a conversation's first turn): a doom of one of its
-    pages strands every segment branching at or after it, whole conversations in every class. Exact LRU
-    takes a root only after everything under it; here a root waits for a chunk with nothing else to give."""
-    if not len(plain):
-        return plain
-    ok = valid[plain]
-    key = np.where(ok, rows["group"][plain], 0)
-    _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
-    seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
-    depth = np.where(ok, (rows["depth"][plain] & DEPTH_MAX).astype(np.int64), 0)
-    root = ok & (rows["parent"][plain] == 0)
-    return plain[np.lexsort((-depth, seg, root))]

@@ -111,23 +111,6 @@ def test_a_suffix_whose_prefix_is_gone_goes_first(make_instance, pool_path):
             assert orphans_left > 0
 
 
-def test_prefix_keys_of_a_read_are_touched(make_instance):
-    """SGLang reads a suffix whose head sits in its host memory: the head's pages in the pool are marked used."""
-    backend, head, tail = _head_and_tail(make_instance, 3)
-    st = backend.store
-    g = st.resolve(backend.keyspace.digests(head)).offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
-    refs = st.att.alloc.meta_refs
-    refs[g] = 0
-    assert backend.batch_exists(tail, _info(head)) == 8
-    assert refs[g].all()
-    refs[g] = 0
-    backend.batch_exists(tail, _info(head))
-    assert refs[g].all()
-    refs[g] = 0
-    assert backend.batch_exists(prompt_keys(3, "absent"), _info(head)) == 0  # nothing read: nothing touched
-    assert not refs[g].any()
-
-
 def _records(store, digests):
     """(rows, valid) of the relation records of the values under these digests."""
     found = store.resolve(digests)
@@ -159,21 +142,3 @@ def test_a_call_without_prefix_keys_takes_its_stored_leading_pages_as_prefix(mak
     assert all(backend.batch_set_v1(shared, idx[:4]))  # every key stored: nothing written, no record changes
     rows, _ = _records(st, ks.digests(shared))
     assert set(rows["group"].tolist()) == {g_a}
-
-
-def test_a_page_stored_with_its_relations_starts_used(make_instance, pool_path):
-    """A page SGLang backs up continues a request that just ran, and the next turn reads it: it starts with its
-    ref bit set, so the CLOCK takes older unused pages before a chain's newest ones. Without prefix eviction a
-    page starts unused, as any value does."""
-    for on in (True, False):
-        host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="48M",
-                                      maru={"maru_prefix_eviction": on}, pool=f"{pool_path}-{on}")
-        hh.fill_random(host, seed=6)
-        keys = prompt_keys(8, f"fresh-{on}")
-        assert all(backend.batch_set_v1(keys, page_indices(host, 0, 8)))
-        st = backend.store
-        g = st.resolve(backend.keyspace.digests(keys)).offsets.astype("int64") >> (st.geo.granule.bit_length() - 1)
-        refs = st.att.alloc.meta_refs[g].tolist()
-        backend.close()
-        os.unlink(f"{pool_path}-{on}")
-        assert refs == [1 if on else 0] * 8

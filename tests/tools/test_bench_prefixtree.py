@@ -143,12 +143,12 @@ def test_summary_is_the_cells_own_figures(tiny):
 
 
 def test_rules_off_restores_the_store():
-    from maru_shm.allocator import blockclock
+    from maru_shm.allocator.blockclock import BlockClock
     from maru_shm.allocator.demand import DemandPolicy
-    before = blockclock._victim_order, DemandPolicy.donors
+    before = BlockClock.evict_blocks, DemandPolicy.donors
     with rules_off(tuple(RULES)):
-        assert blockclock._victim_order is not before[0]
-    assert (blockclock._victim_order, DemandPolicy.donors) == before
+        assert BlockClock.evict_blocks is not before[0]
+    assert (BlockClock.evict_blocks, DemandPolicy.donors) == before
     with pytest.raises(ValueError):
         variants_of(["no such rule"])
 

@@ -11,31 +11,6 @@ import contextlib
 import numpy as np
 
 
-def _no_touch():
-    from maru_sglang.lineage import Lineage
-    return [(Lineage, "touch", lambda self, extra_info: None)]
-
-
-def _no_roots():
-    from maru_shm.allocator import blockclock
-
-    def order(plain, rows, valid):  # tail first, segment by segment; roots like any other segment
-        if not len(plain):
-            return plain
-        ok = valid[plain]
-        key = np.where(ok, rows["group"][plain], 0)
-        _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
-        seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
-        depth = np.where(ok, (rows["depth"][plain] & blockclock.DEPTH_MAX).astype(np.int64), 0)
-        return plain[np.lexsort((-depth, seg))]
-    return [(blockclock, "_victim_order", order)]
-
-
-def _no_order():
-    from maru_shm.allocator import blockclock
-    return [(blockclock, "_victim_order", lambda plain, rows, valid: plain)]
-
-
 def _no_stranded_search():
     from maru_shm.allocator.blockclock import BlockClock
     from maru_shm.allocator.facade import Allocator
@@ -74,32 +49,20 @@ def _no_retention():
     return [(DemandPolicy, "donors", donors)]
 
 
-def _no_birth_ref():
-    from maru_shm.allocator.relations import Relations
-    write = Relations.write
-
-    def quiet(self, offsets, live_words, rel):
-        write(self, offsets, live_words, rel)
-        return np.zeros(0, dtype=np.int64)  # no granule's ref is set
-    return [(Relations, "write", quiet)]
-
-
 RULES = {
-    "touch": _no_touch,            # lookups and writes touch their prefix keys
-    "roots": _no_roots,            # values of root segments go last in a chunk
-    "order": _no_order,            # a chunk's victims segment by segment, tail first, roots last
     "stranded": _no_stranded_search,  # stranded values searched for before a move or CLOCK victim, and reclaimed
     "retention": _no_retention,    # slab moves balance the classes' retention
     "relocation": _no_relocation,  # a slab move first moves its values to free blocks of their class
-    "birthref": _no_birth_ref,     # a value with a record starts used
 }
 
 
 def variants_of(names) -> dict:
-    """`--prefixtree-ab` names -> {variant: rules off}; 'all' is every rule at once."""
+    """`--prefixtree-ab` names -> {variant: rules off}; 'all' is every rule at once, 'a+b' rules a and b."""
     out = {}
     for n in names:
-        if n == "all":
+        if "+" in n:  # several rules in one variant
+            out[n] = tuple(r for part in n.split("+") for r in variants_of([part])[part])
+        elif n == "all":
             out["all"] = tuple(RULES)
         elif n in RULES:
             out[n] = (n,)

@@ -71,7 +71,7 @@ class Shape(NamedTuple):
 
 
 # The family (`--prefixtree-shapes`). chat: the trace this scenario was built on. sglang: a second replay
-# tried as a new user would (issue #38's): fewer prompts, many slots, short conversations, an L2 of pool/8.
+# tried as a new user would: fewer prompts, many slots, short conversations, an L2 of pool/8.
 # rag: long documents shared by many short question/answer suffixes.
 SHAPES = {
     "chat": Shape(12, (8, 32), 1.0, 600, 1.0, (1, 4), (1, 6), 0, MAX_CONTEXT, 4000, 4, 0.9, 1 / 12, False),

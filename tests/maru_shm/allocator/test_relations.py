@@ -368,25 +368,3 @@ def test_a_window_that_fills_the_request_is_searched_again(open_store, monkeypat
     for i in range(len(windows) - 1):
         assert (windows[i + 1] == windows[i]) == (got[i] == 1), (i, windows, got)
     assert_clean(s)
-
-
-def test_the_clock_takes_tails_first_and_roots_last(open_store):
-    """Among unreferenced values in one chunk of the hand: a continuation's pages go deepest first, and a root
-    segment's (no parent: every chain under it needs it) only once nothing else is left to take."""
-    s = open_store("32M")
-    alloc = s.att.alloc
-    roots = [_put_chain(s, f"r{i}", 4, 64 * KiB, True, group=10 + i) for i in range(2)]
-    turn = _put_chain(s, "t", 4, 64 * KiB, True, group=20, parent=10, branch=3)
-    info = alloc.head_of(s.reader.lookup(key_digest(turn[0])).offset)[1]
-    alloc.metas.meta_refs[:] = 0  # every value unreferenced: the order alone decides
-
-    def evict(m):
-        with alloc.locks.class_lock(info.cid):
-            return alloc.clock.evict_blocks(info, m)
-    assert evict(2) == 2
-    assert s.batch_exists(turn) == [True, True, False, False]  # the continuation, tail first
-    assert evict(2) == 2 and not any(s.batch_exists(turn))
-    assert all(all(s.batch_exists(r)) for r in roots)  # roots untouched while anything else was there
-    assert evict(1) == 1
-    assert sorted(sum(s.batch_exists(r)) for r in roots) == [3, 4]  # then one root, from its tail
-    assert_clean(s)
