@@ -5,8 +5,9 @@ index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref`
 passes. RESERVED, FREE, owned and pinned blocks are skipped.
 
 Where the blocks under the hand carry relation records (relations.py), the stranded values of each chunk
-the hand reads go first (whatever their ref), then the unreferenced ones in ring order. Each victim's
-segment is then doomed for the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
+the hand reads go first (whatever their ref), then the unreferenced ones segment by segment, deepest
+first: a request's pages in the class go together, and a chain loses its tail before its head. Each
+victim's segment is then doomed for the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
 slabs at a time, and leaves the hand where it is.
 """
 
@@ -18,7 +19,7 @@ from .. import crashpoints as _cp
 from ..format import CLS_HAND, LIVE, U64
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
-from .relations import Relations
+from .relations import DEPTH_MAX, Relations
 from .release import BlockRelease
 from .slabtable import SlabTable
 
@@ -187,9 +188,9 @@ class BlockClock:
     def _choose(self, g, q, eligible, ref, want: int, related: list, since: int | None):
         """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
 
-        The first unreferenced blocks in ring order (the plain CLOCK), after the stranded values of the chunk
-        (whatever their ref) where blocks carry relation records; the records of the related victims go to
-        `related` for the doom.
+        Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
+        stranded values first (whatever their ref), then unreferenced ones in `_victim_order`; the records
+        of the related victims go to `related` for the doom.
         """
         rel = self.relations
         rows = valid = None
@@ -203,7 +204,8 @@ class BlockClock:
             return victims, chosen
         by_group, by_parent = rel.stranded(rows, valid, since)
         stranded = eligible & (by_group | by_parent)
-        victims = np.concatenate([np.flatnonzero(stranded), np.flatnonzero(eligible & ~ref & ~stranded)])[:want]
+        plain = _victim_order(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
+        victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
         chosen = np.zeros(len(g), dtype=bool)
         chosen[victims] = True
         mine = victims[valid[victims]]
@@ -240,3 +242,17 @@ class BlockClock:
             if _cp.ARMED is not None:
                 _cp.hit("evict.block_mid")
         return freed, evicted, evicted_bytes
+
+
+def _victim_order(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Unreferenced candidates (chunk positions, ring order) reordered segment by segment, in the order of
+    each segment's first candidate, deepest first within a segment. A value without a record is a segment
+    of its own: a pool without records is evicted exactly as by the plain CLOCK."""
+    if not len(plain):
+        return plain
+    ok = valid[plain]
+    key = np.where(ok, rows["group"][plain], 0)
+    _, first_at, inverse = np.unique(key, return_index=True, return_inverse=True)
+    seg = np.where(ok, first_at[inverse], np.arange(len(plain)))
+    depth = np.where(ok, (rows["depth"][plain] & DEPTH_MAX).astype(np.int64), 0)
+    return plain[np.lexsort((-depth, seg))]

@@ -368,3 +368,22 @@ def test_a_window_that_fills_the_request_is_searched_again(open_store, monkeypat
     for i in range(len(windows) - 1):
         assert (windows[i + 1] == windows[i]) == (got[i] == 1), (i, windows, got)
     assert_clean(s)
+
+
+def test_the_clock_takes_a_segment_together_tail_first(open_store):
+    """Among unreferenced values in one chunk of the hand, a segment's pages go together, deepest first (the
+    plain CLOCK would take each chain's head first, in ring order)."""
+    s = open_store("32M")
+    alloc = s.att.alloc
+    a = _put_chain(s, "a", 4, 64 * KiB, True, group=10)
+    b = _put_chain(s, "b", 4, 64 * KiB, True, group=20)
+    info = alloc.head_of(s.reader.lookup(key_digest(a[0])).offset)[1]
+    alloc.metas.meta_refs[:] = 0  # every value unreferenced: the order alone decides
+
+    def evict(m):
+        with alloc.locks.class_lock(info.cid):
+            return alloc.clock.evict_blocks(info, m)
+    assert evict(2) == 2
+    lost = [chain for chain in (a, b) if not all(s.batch_exists(chain))]
+    assert len(lost) == 1 and s.batch_exists(lost[0]) == [True, True, False, False]  # one segment, its tail
+    assert_clean(s)
