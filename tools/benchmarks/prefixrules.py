@@ -1,7 +1,7 @@
 """The rules of the default eviction, each switched off for an A/B (`--prefixtree-ab`): what each one wins.
 
 A variant is the default (relation records written) with some rules replaced, in this process only, by what
-the store does without them. `all` switches every rule off: the plain CLOCK plus the group dooms alone.
+the store does without them; `all` switches every rule off at once.
 """
 
 from __future__ import annotations
@@ -9,6 +9,26 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+
+
+def _no_order():
+    from maru_shm.allocator import blockclock
+    return [(blockclock, "_victim_order", lambda plain, rows, valid: plain)]
+
+
+def _no_parent_strand():
+    from maru_shm.allocator.relations import Relations
+    stranded_by = Relations._stranded_by
+
+    def by_group_only(self, rows, valid, ring):
+        by_group, by_parent = stranded_by(self, rows, valid, ring)
+        return by_group, np.zeros_like(by_parent)
+    return [(Relations, "_stranded_by", by_group_only)]
+
+
+def _no_birth_doom():
+    from maru_sglang.lineage import Lineage
+    return [(Lineage, "stored", lambda self, seg: None)]
 
 
 def _no_stranded_search():
@@ -50,6 +70,9 @@ def _no_retention():
 
 
 RULES = {
+    "order": _no_order,            # a chunk's victims segment by segment, tail first
+    "parent": _no_parent_strand,   # a doom of a segment strands the segments continuing it
+    "birthdoom": _no_birth_doom,   # a segment written after its parent went is doomed at birth
     "stranded": _no_stranded_search,  # stranded values searched for before a move or CLOCK victim, and reclaimed
     "retention": _no_retention,    # slab moves balance the classes' retention
     "relocation": _no_relocation,  # a slab move first moves its values to free blocks of their class
