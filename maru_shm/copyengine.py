@@ -8,7 +8,9 @@ The rules (FORMAT.md section 8 relies on the first two):
 - The engine copies exactly the pieces it is given, nothing else. Callers bounds-check every piece
   against the block it belongs to before calling; the engine never reads the pool's metadata.
 - `run` returns only after every piece is copied: no worker touches a piece after it returns, so the
-  caller's commit (put) or word re-check (get) follows the whole copy.
+  caller's commit (put) or word re-check (get) follows the whole copy. The same holds when it raises:
+  an exception in the caller (Ctrl-C) is held until every worker that joined the batch has finished,
+  since the caller gives the batch's blocks back next.
 - Workers are used only on cores other processes leave idle (idlecores.py decides; the engine copies).
   Every thread, the caller's included, takes the next piece from one shared iterator, so a worker that
   is not running takes nothing and the caller copies what is left. A batch in which the workers helped
@@ -86,15 +88,36 @@ def merge_runs(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
 class _Job:
     """One batch shared with the workers: the iterator they take pieces from and who joined it."""
 
-    __slots__ = ("pieces", "lock", "closed", "joined", "done", "helped")
+    __slots__ = ("pieces", "cv", "closed", "joined", "finished", "helped")
 
     def __init__(self, pieces):
         self.pieces = pieces
-        self.lock = threading.Lock()
+        self.cv = threading.Condition(threading.Lock())
         self.closed = False  # set by the caller once the iterator is empty: a late worker stays out
         self.joined = 0
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = 0  # workers that joined and copied their last piece
         self.helped = 0  # pieces the workers copied (the busy detector)
+
+    def in_flight(self) -> int:
+        with self.cv:
+            return self.joined - self.finished
+
+    def close_and_wait(self) -> None:
+        """Keep late workers out and wait for every worker that joined: the pieces they copy lie in blocks
+        the caller commits or gives back next. An exception raised meanwhile (Ctrl-C) is held until then.
+        The counts live in the job and only workers change them, so a wait cut short is simply redone."""
+        held = None
+        while True:
+            try:
+                with self.cv:
+                    self.closed = True
+                    while self.finished < self.joined:
+                        self.cv.wait()
+                break
+            except BaseException as e:
+                held = e
+        if held is not None:
+            raise held
 
 
 def _copy_all(jobs) -> int:
@@ -114,7 +137,7 @@ def _worker(inbox: queue.SimpleQueue) -> None:
         job = inbox.get()
         if job is None:
             return
-        with job.lock:
+        with job.cv:
             if job.closed:
                 continue
             job.joined += 1
@@ -122,7 +145,10 @@ def _worker(inbox: queue.SimpleQueue) -> None:
         try:
             n = _copy_all(job.pieces)
         finally:
-            job.done.put(n)
+            with job.cv:
+                job.finished += 1
+                job.helped += n
+                job.cv.notify_all()
 
 
 class CopyEngine:
@@ -136,6 +162,7 @@ class CopyEngine:
         self._busy = 0  # batches left to run alone
         self._idle_workers = 0  # threaded batches in a row in which the workers barely helped
         self._use = threading.Lock()  # held by the batch that uses the workers
+        self._job: _Job | None = None  # the last batch given to the workers
         self.cores = IdleCores()
         self.batches_threaded = 0
         self.batches_alone = 0
@@ -163,29 +190,35 @@ class CopyEngine:
         elif self.threads > 1 and (len(jobs) > 1 or total > CUT):
             if total >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(jobs)):
                 helpers = min(self.threads, self.cores.free()) - 1
-        if helpers < 1 or not self._use.acquire(blocking=False):
-            if self.threads > 1:
-                self.batches_alone += 1
-            _copy_all(jobs)
-            return
+        using = False
         try:
-            part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
-            self._threaded(iter(split(jobs, part)), helpers)
+            # The acquire and its record are one line: an exception lands before or after both.
+            using = helpers >= 1 and self._use.acquire(blocking=False)
+            if using:
+                part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
+                self._threaded(iter(split(jobs, part)), helpers)
+                return
         finally:
-            self._use.release()
+            if using:
+                self._use.release()
+        if self.threads > 1:
+            self.batches_alone += 1
+        _copy_all(jobs)
 
     def _threaded(self, pieces, helpers: int) -> None:
-        job = _Job(pieces)
+        job = self._job = _Job(pieces)
         started = self._pid != os.getpid()
-        for inbox in self._workers()[:helpers]:
-            inbox.put(job)
+        # The wait is the try's last line, not a `finally`: an exception landing on the line that would
+        # start it (between two bytecodes) is inside the try, so the handler waits instead.
         try:
+            for inbox in self._workers()[:helpers]:
+                inbox.put(job)
             mine = _copy_all(pieces)
-        finally:
-            with job.lock:
-                job.closed = True
-                joined = job.joined
-            helped = sum(job.done.get() for _ in range(joined))  # every worker that joined has finished
+            job.close_and_wait()
+        except BaseException:
+            job.close_and_wait()
+            raise
+        helped = job.helped
         self.batches_threaded += 1
         if started:
             return  # threads just started may miss their first batch: no verdict
@@ -195,6 +228,11 @@ class CopyEngine:
             self._idle_workers += 1
             if self._idle_workers >= 2:
                 self._busy, self._idle_workers = BACKOFF, 0
+
+    def in_flight(self) -> int:
+        """Workers still copying pieces of the last threaded batch: 0 whenever `run` has returned or raised."""
+        job = self._job
+        return 0 if job is None else job.in_flight()
 
     def _workers(self) -> list[queue.SimpleQueue]:
         """The worker inboxes, started on first use and again in a forked child (threads do not survive fork)."""
