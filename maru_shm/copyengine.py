@@ -86,33 +86,39 @@ def merge_runs(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
 
 
 class _Job:
-    """One batch shared with the workers: the iterator they take pieces from and who joined it."""
+    """One batch shared with the workers: the iterator they take pieces from and who joined it.
 
-    __slots__ = ("pieces", "cv", "closed", "joined", "finished", "helped")
+    The caller never holds a lock of the job's: a lock it holds is one more thing an exception (Ctrl-C)
+    between two lines could leave held, and a worker would wait on it forever. Joining and finishing are
+    list appends, atomic under the GIL, and a worker joins before it reads `closed`: once the caller has
+    set `closed`, every worker that may still copy is in `joined`.
+    """
+
+    __slots__ = ("pieces", "closed", "joined", "finished", "bell")
 
     def __init__(self, pieces):
         self.pieces = pieces
-        self.cv = threading.Condition(threading.Lock())
         self.closed = False  # set by the caller once the iterator is empty: a late worker stays out
-        self.joined = 0
-        self.finished = 0  # workers that joined and copied their last piece
-        self.helped = 0  # pieces the workers copied (the busy detector)
+        self.joined: list[int] = []  # one entry per worker that joined
+        self.finished: list[int] = []  # pieces copied, one entry per worker that joined and is done
+        self.bell: queue.SimpleQueue = queue.SimpleQueue()  # rung by each worker that is done
 
     def in_flight(self) -> int:
-        with self.cv:
-            return self.joined - self.finished
+        return len(self.joined) - len(self.finished)
 
     def close_and_wait(self) -> None:
         """Keep late workers out and wait for every worker that joined: the pieces they copy lie in blocks
-        the caller commits or gives back next. An exception raised meanwhile (Ctrl-C) is held until then.
-        The counts live in the job and only workers change them, so a wait cut short is simply redone."""
+        the caller commits or gives back next. An exception raised meanwhile is held until then; the
+        counts live in the job, so a wait cut short is simply redone."""
         held = None
         while True:
             try:
-                with self.cv:
-                    self.closed = True
-                    while self.finished < self.joined:
-                        self.cv.wait()
+                self.closed = True
+                while len(self.finished) < len(self.joined):
+                    try:
+                        self.bell.get(timeout=0.05)
+                    except queue.Empty:
+                        pass
                 break
             except BaseException as e:
                 held = e
@@ -137,18 +143,16 @@ def _worker(inbox: queue.SimpleQueue) -> None:
         job = inbox.get()
         if job is None:
             return
-        with job.cv:
-            if job.closed:
-                continue
-            job.joined += 1
+        job.joined.append(1)
+        if job.closed:
+            job.finished.append(0)
+            continue
         n = 0
         try:
             n = _copy_all(job.pieces)
         finally:
-            with job.cv:
-                job.finished += 1
-                job.helped += n
-                job.cv.notify_all()
+            job.finished.append(n)
+            job.bell.put(None)
 
 
 class CopyEngine:
@@ -190,17 +194,20 @@ class CopyEngine:
         elif self.threads > 1 and (len(jobs) > 1 or total > CUT):
             if total >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(jobs)):
                 helpers = min(self.threads, self.cores.free()) - 1
+        # The workers' lock and its record change on one line each, and the release is the try's last
+        # line, not a `finally`: an exception landing between two lines finds them in step.
         using = False
         try:
-            # The acquire and its record are one line: an exception lands before or after both.
             using = helpers >= 1 and self._use.acquire(blocking=False)
             if using:
                 part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
                 self._threaded(iter(split(jobs, part)), helpers)
+                using = self._use.release()
                 return
-        finally:
+        except BaseException:
             if using:
                 self._use.release()
+            raise
         if self.threads > 1:
             self.batches_alone += 1
         _copy_all(jobs)
@@ -218,7 +225,7 @@ class CopyEngine:
         except BaseException:
             job.close_and_wait()
             raise
-        helped = job.helped
+        helped = sum(job.finished)
         self.batches_threaded += 1
         if started:
             return  # threads just started may miss their first batch: no verdict

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import maru_shm
-from maru_shm import Store
+from maru_shm import Store, copyengine
 from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
 from ..conftest import make_value, reserve, value_version
@@ -210,7 +210,7 @@ def test_interrupts_long_run(pool_path):
 BIG = [f"big{i}" for i in range(6)]  # 6 x 512 KiB: a batch the copy engine shares with its workers
 
 
-def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path):
+def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, monkeypatch):
     """The caller of a batch that the copy engine shares with worker threads is interrupted at a random line
     event of maru_shm (the workers run on): when the call raises, no worker still copies into the batch's
     blocks (they are given back next, and another writer may take them), no lock is held, and after every
@@ -218,6 +218,7 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path):
     rng, model, outer = random.Random(39), _Model(), sys.gettrace()
     s = Store.open(pool_path, "32M", create=True, max_value="1M", copy_threads=3, timeout=5.0)
     s.engine.cores.free = lambda: s.engine.threads  # every core idle: the threaded path is the one under test
+    monkeypatch.setattr(copyengine, "BACKOFF", 0)  # and workers a loaded machine leaves unscheduled keep it so
     outs = [bytearray(512 << 10) for _ in BIG]
 
     def work():
