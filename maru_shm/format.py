@@ -20,7 +20,7 @@ from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
 
 MAGIC = b"MARUSHM\0"
-VERSION = 1
+VERSION = 2
 SUPERBLOCK_SIZE = 4096
 CHECKSUM_OFF = 252
 STATE_OFF = 256
@@ -115,10 +115,33 @@ def granule_for(value_size: int | None) -> int:
 
 # --- block meta ----------------------------------------------------------
 META_SIZE = 32
-META_STRUCT = struct.Struct("<Q16sIHB")  # word digest length owner ref
+META_STRUCT = struct.Struct("<Q16sIHBB")  # word digest length owner ref flags
 META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF = 8, 24, 28, 30, 31
-FLAG_PINNED = 1  # meta flags: eviction and slab moves leave this lifetime alone (Store.pin)
+FLAG_PINNED = 1  # meta flags bit 0: eviction and slab moves leave this lifetime alone (Store.pin)
 FREE, RESERVED, LIVE = 0, 1, 2
+
+# Meta flags bits 1-7 hold the length check, 3 x length mod 125: any one or two flipped bits of the
+# 39 (length and check) make the pair disagree, and every reader and check takes the block as damage.
+# Two bits of the length change it by +-2^i +-2^j, never a multiple of 125 for i, j < 32 (2 has order
+# 100 mod 125, and -1 = 2^50); a bit of each matches only if 3 = +-2^(j-i) mod 125 for a check bit
+# j < 7, and 3 = 2^7, -3 = 2^57; a changed check alone differs from the unchanged one it must equal.
+LENGTH_CHECK_MUL, LENGTH_CHECK_MOD, LENGTH_CHECK_SHIFT = 3, 125, 1
+LENGTH_CHECK_BITS = 0x7F << LENGTH_CHECK_SHIFT  # the flags bits that hold it
+
+
+def length_check(length):
+    """The check of a length (an int, or a numpy u64 array of them): flags >> LENGTH_CHECK_SHIFT holds it."""
+    return length * LENGTH_CHECK_MUL % LENGTH_CHECK_MOD
+
+
+def length_flags(length):
+    """The flags byte of a new lifetime holding `length` bytes (not pinned): its length check."""
+    return length_check(length) << LENGTH_CHECK_SHIFT
+
+
+def length_sound(length: int, flags: int) -> bool:
+    """Does a meta's length agree with the check in its flags byte?"""
+    return flags >> LENGTH_CHECK_SHIFT == length_check(length)
 
 # --- relation records and the doom ring (section 6a) -----------------------
 RELATION_SIZE = 16  # group u32, parent u32, depth u16 (bit 15: trailing), branch u16, tag u16, born u16

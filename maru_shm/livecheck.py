@@ -27,7 +27,7 @@ from .errors import LockTimeout, StoreError
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
                      LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
                      RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
-                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
+                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, length_sound)
 from .index import Index
 from .validity import entry_problem
 from .locks import carries_locks, flock_bytes, lock_name
@@ -271,7 +271,7 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     used = 0
     for i in range(info.bps):
         off = h * g.unit_size + i * info.block
-        word, d, length, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+        word, d, length, owner, _, flags = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
         state = word & 3
         bit = bool(bm[i >> 3] & (1 << (i & 7)))
         report.checked_blocks += 1
@@ -283,7 +283,9 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
         if state == FREE:
             continue
         used += 1
-        if length > info.block:
+        if not length_sound(length, flags):
+            report.problem(f"block at data offset {off}: length {length} disagrees with its check")
+        elif length > info.block:
             report.problem(f"block at data offset {off}: length {length} exceeds block size {info.block}")
         if owner and not pool.slot_alive(owner):  # the reaper frees it if unpublished, else disowns it
             report.reapable(f"block at data offset {off}: owned by exited process slot {owner - 1}")
@@ -369,7 +371,7 @@ def _report_orphans(pool, locks, report, candidates, named) -> None:
             continue
         s = idx.shard_of(d)
         with _Domain(locks, SHARD_LOCK_BASE + s, CheckReport()):
-            mword, md, _, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+            mword, md, _, owner, _, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
             if mword != word or md != d or owner or idx.find(d) == (word, off):
                 continue
         report.problem(f"block at data offset {off}: live but not indexed and owned by no live process (orphan)")

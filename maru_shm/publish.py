@@ -16,7 +16,7 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import ValueTooLargeError
-from .format import FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT, SHARD_LOCK_BASE, U16, U64
+from .format import FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT, SHARD_LOCK_BASE, U16, U64, length_sound
 from .locks import dense_range
 from .validity import Hit, lookup, names_lifetime
 
@@ -55,8 +55,8 @@ class Publisher:
         loc = att.alloc.block_index(offset)
         if loc is None:
             return 0
-        mword, md, length, owner, _ = META_STRUCT.unpack_from(att.mm, att.geo.meta_of(offset))
-        if mword & 3 != LIVE or md != d or not owner or length > loc[1].block:
+        mword, md, length, owner, _, flags = META_STRUCT.unpack_from(att.mm, att.geo.meta_of(offset))
+        if mword & 3 != LIVE or md != d or not owner or not length_sound(length, flags) or length > loc[1].block:
             return 0
         return mword
 

@@ -2,7 +2,8 @@
 
 The meta of a block's first granule holds its word (lifetime counter << 2 | state), the key's digest,
 the value's length, the owner (slot + 1 of the process that holds it, 0 for none), the ref bit for the
-block CLOCK and the flags byte. A lifetime begins FREE -> RESERVED with the next word, and every change
+block CLOCK and the flags byte (pinned, and the length's check: every reservation writes the check with
+the length, in the same store). A lifetime begins FREE -> RESERVED with the next word, and every change
 of state writes the word first, so a lock-free reader holding the old word fails its check from then on.
 """
 
@@ -12,8 +13,8 @@ import struct
 
 import numpy as np
 
-from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
-                      RESERVED, U16, U64, next_word, next_words, store_u64)
+from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE,
+                      META_STRUCT, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
 # costs a few microseconds whatever its length, which only pays off over many keys.
@@ -24,7 +25,7 @@ def digest_bytes(d) -> bytes:
     """One digest as 16 bytes: small batches pass them so, batch paths as rows of (m, 2) u64 halves."""
     return d if type(d) is bytes else d.tobytes()
 
-_REST = struct.Struct("<16sIHB")  # meta bytes 8..30: digest, length, owner, ref (META_STRUCT after the word)
+_REST = struct.Struct("<16sIHBB")  # meta bytes 8..31: digest, length, owner, ref, flags (META_STRUCT after the word)
 _OWNER_SHIFT, _REF_SHIFT, _FLAGS_SHIFT = 32, 48, 56  # in the u64 at byte 24: length | owner | ref | flags
 
 
@@ -54,7 +55,7 @@ class BlockMetas:
         return U16.unpack_from(self.mm, m + META_OWNER_OFF)[0]
 
     def read(self, offset: int):
-        """(word, digest, length, owner, ref) of the block at data offset `offset`."""
+        """(word, digest, length, owner, ref, flags) of the block at data offset `offset`."""
         return META_STRUCT.unpack_from(self.mm, self.geo.meta_of(offset))
 
     # ---------------------------------------------------------------- CLOCK bits
@@ -85,15 +86,16 @@ class BlockMetas:
 
     # ---------------------------------------------------------------- lifetimes
     def reserve(self, offset: int, digest: bytes, length: int, owner: int) -> None:
-        """FREE -> RESERVED in one write of the whole meta (flags 0: a new lifetime is not pinned)."""
+        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned)."""
         m = self.meta_off(offset)
         word = U64.unpack_from(self.mm, m)[0]
-        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0) + b"\0"
+        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0,
+                                                    length_flags(length))
 
     def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
         """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
 
-        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths.
+        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths (u64).
         The word (state RESERVED, next sequence) is written first: a reader still
         holding the old LIVE word then fails validation before digest or length
         change. A crash midway leaves RESERVED blocks of a dead or absent owner,
@@ -104,7 +106,8 @@ class BlockMetas:
         q[g, 0] = next_words(q[g, 0], RESERVED)
         q[g, 1] = dig[:, 0]
         q[g, 2] = dig[:, 1]
-        q[g, 3] = lengths | np.uint64(owner << _OWNER_SHIFT)  # ref 0, flags 0 (a new lifetime is not pinned)
+        flags = length_flags(lengths) << np.uint64(_FLAGS_SHIFT)
+        q[g, 3] = lengths | flags | np.uint64(owner << _OWNER_SHIFT)  # ref 0; flags: the check, not pinned
 
     def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, crash_point) -> None:
         """A kept block (LIVE, ours, unindexed) starts a new lifetime: the word first, then the rest."""
@@ -114,7 +117,7 @@ class BlockMetas:
         # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
         # before packing, and the live check, which reads this meta without the class lock we do not
         # hold here, would see a RESERVED block owned by nobody.
-        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0) + b"\0"  # flags 0: not pinned
+        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0, length_flags(length))  # not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""
@@ -127,4 +130,4 @@ class BlockMetas:
         """End the lifetimes of a batch of granules' blocks: every word first, then owner, ref and flags."""
         q = self.meta_q
         q[g, 0] = next_words(q[g, 0], FREE)
-        q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept
+        q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept (a FREE meta's is never read)
