@@ -24,10 +24,11 @@ import numpy as np
 from .allocator import Allocator
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
 from .errors import LockTimeout, StoreError
-from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
-                     LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
-                     RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
-                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32, length_sound)
+from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
+                     KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT,
+                     PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
+                     SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, U32, UNIT_FREE, UNIT_HEAD,
+                     UNIT_TAIL, length_sound)
 from .index import Index
 from .validity import entry_problem
 from .locks import carries_locks, flock_bytes, lock_name
@@ -207,7 +208,7 @@ def _check_units(pool, report) -> None:
             continue
         covered[h:h + info.k] = h
         for t in range(h + 1, h + info.k):
-            st, head = U32.unpack_from(mm, alloc.geo.slab_entry(t))[0], U32.unpack_from(mm, alloc.geo.slab_entry(t) + 4)[0]
+            st, head = SLAB_HEAD.unpack_from(mm, alloc.geo.slab_entry(t))[:2]  # state, and the head of a TAIL
             if st != UNIT_TAIL or head != h:
                 report.problem(f"unit {t}: should be a tail of slab {h}")
     for t in np.flatnonzero((alloc.states == UNIT_TAIL) & (covered < 0)).tolist():
@@ -267,7 +268,7 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     """One slab of a held class: bitmap against metas, free count, partial flag; returns blocks in use."""
     g, alloc, mm = pool.geo, pool.alloc, pool.mm
     s = alloc.geo.slab_entry(h)
-    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
+    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + BITMAP_BYTES])
     used = 0
     for i in range(info.bps):
         off = h * g.unit_size + i * info.block

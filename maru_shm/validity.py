@@ -27,12 +27,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .format import (LENGTH_CHECK_BITS, LENGTH_CHECK_MOD, LENGTH_CHECK_MUL, LENGTH_CHECK_SHIFT, LIVE, META_STRUCT,
-                     UNIT_HEAD, UNIT_TAIL, length_check, length_flags, length_sound)
+from .format import (ENTRY_COL_OFFSET, ENTRY_COL_WORD, LENGTH_CHECK_BITS, LENGTH_CHECK_MOD, LENGTH_CHECK_MUL,
+                     LENGTH_CHECK_SHIFT, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_STRUCT,
+                     META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, UNIT_HEAD, UNIT_TAIL, length_check, length_flags,
+                     length_sound)
 
-_LENGTH = np.uint64(0xFFFFFFFF)  # block meta bytes 24..27 of the u64 at 24: the value's length
-_FLAGS_AT = 56  # block meta byte 31 (flags: pinned, the length check) in that u64
-_CHECK_AT = np.uint64(_FLAGS_AT + LENGTH_CHECK_SHIFT)  # the length check: the top bits of that u64
+# columns of index entries and block metas as rows of u64, and fields of a meta's tail u64
+_E_WORD, _E_OFFSET = ENTRY_COL_WORD, ENTRY_COL_OFFSET
+_M_WORD, _M_D0, _M_D1, _M_TAIL = META_COL_WORD, META_COL_DIGEST, META_COL_DIGEST + 1, META_COL_TAIL
+_LENGTH = np.uint64(META_TAIL_LENGTH_MASK)  # the value's length
+_FLAGS_AT = META_TAIL_FLAGS_SHIFT  # the flags byte (pinned, the length check)
+_CHECK_AT = np.uint64(_FLAGS_AT + LENGTH_CHECK_SHIFT)  # the length check: the top bits of the tail
 _MUL, _MOD = np.uint64(LENGTH_CHECK_MUL), np.uint64(LENGTH_CHECK_MOD)  # format.length_check on u64 arrays
 _LENGTH_AND_CHECK = _LENGTH | np.uint64(LENGTH_CHECK_BITS << _FLAGS_AT)
 _STATE, _LIVE = np.uint64(3), np.uint64(LIVE)  # a word's low two bits: its state
@@ -110,14 +115,15 @@ def entry_problem(mm, geo, alloc, d: bytes, word: int, offset: int) -> str | Non
 # ----------------------------------------------------------------- batch forms
 def check_entries(meta_q: np.ndarray, geo, e: np.ndarray, h0: np.ndarray, h1: np.ndarray):
     """Rules 1-4 for index entries `e` (rows of 4 u64) of digests (h0, h1): (offsets, words, lengths, ok)."""
-    words = e[:, 2]
-    inside = e[:, 3] < np.uint64(geo.data_bytes)
-    offs = (e[:, 3] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
+    words = e[:, _E_WORD]
+    inside = e[:, _E_OFFSET] < np.uint64(geo.data_bytes)
+    offs = (e[:, _E_OFFSET] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
     m = meta_q[offs >> granule_shift(geo)]
-    m3 = m[:, 3]
+    m3 = m[:, _M_TAIL]
     stored = m3 & _LENGTH
     lengths = stored.astype(np.intp)
-    ok = (((m[:, 0] ^ words) | (m[:, 1] ^ h0) | (m[:, 2] ^ h1) | ((m3 >> _CHECK_AT) ^ stored * _MUL % _MOD)) == 0) \
+    check = (m3 >> _CHECK_AT) ^ stored * _MUL % _MOD  # zero where the length agrees with its check
+    ok = (((m[:, _M_WORD] ^ words) | (m[:, _M_D0] ^ h0) | (m[:, _M_D1] ^ h1) | check) == 0) \
         & inside & ((words & _STATE) == _LIVE) & (offs + lengths <= geo.data_bytes)
     return offs, words, lengths, ok
 
@@ -129,17 +135,18 @@ def leading_mismatch(meta_q: np.ndarray, geo, e: np.ndarray, halves: np.ndarray,
     `length`, if given, must be in 0..min(data_bytes, 2**32 - 1) (the caller answers 0 hits otherwise).
     """
     # an offset outside the data area reads a clipped meta, and fails its own check below
-    m = meta_q.take((e[:, 3] >> np.uint64(granule_shift(geo))).view(np.int64), axis=0, mode="clip")
-    m0, m3 = m[:, 0], m[:, 3]
-    d = m[:, 1:3] ^ halves
-    bad = (m0 ^ e[:, 2]) | d[:, 0] | d[:, 1] | ((m0 & _STATE) ^ _LIVE)
+    e3 = e[:, _E_OFFSET]
+    m = meta_q.take((e3 >> np.uint64(granule_shift(geo))).view(np.int64), axis=0, mode="clip")
+    m0, m3 = m[:, _M_WORD], m[:, _M_TAIL]
+    d = m[:, _M_D0:_M_D1 + 1] ^ halves
+    bad = (m0 ^ e[:, _E_WORD]) | d[:, 0] | d[:, 1] | ((m0 & _STATE) ^ _LIVE)
     if length is None:
         lengths = m3 & _LENGTH
-        bad |= (e[:, 3] >= np.uint64(geo.data_bytes)) | (e[:, 3] + lengths > np.uint64(geo.data_bytes))
+        bad |= (e3 >= np.uint64(geo.data_bytes)) | (e3 + lengths > np.uint64(geo.data_bytes))
         bad |= (m3 >> _CHECK_AT) ^ lengths * _MUL % _MOD
     else:  # the length and its check both as expected; offset + length <= data_bytes, and offset inside it
         want = np.uint64(length | length_flags(length) << _FLAGS_AT)
-        bad |= ((m3 ^ want) & _LENGTH_AND_CHECK) | (e[:, 3] > np.uint64(geo.data_bytes - max(length, 1)))
+        bad |= ((m3 ^ want) & _LENGTH_AND_CHECK) | (e3 > np.uint64(geo.data_bytes - max(length, 1)))
     return bad
 
 
