@@ -86,7 +86,7 @@ def is_private(mode: int) -> bool:
 
 
 def check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool, mode: int = 0o600) -> None:
-    """Who may attach (docs/FORMAT.md section 12).
+    """Who may attach (docs/DESIGN.md section 2).
 
     A private opener (mode 0600): only a file it owns that neither its group nor others may write.
     A group opener (0660/0640): the file's owner; or a member of the file's group when the file is in
@@ -139,7 +139,7 @@ def open_side_lock(path: str, mode: int, allow_foreign_owner: bool = False) -> i
     """The lock file of a DAX device: created with the pool's mode, and held to the pool's owner rules.
 
     Whoever can write it can hold INIT or PROC forever, so a lock file that is a symlink, not a regular
-    file, or owned by a user this opener would not share the pool with is refused (FORMAT.md section 12).
+    file, or owned by a user this opener would not share the pool with is refused (DESIGN.md section 2).
     """
     lock_path = side_lock_path(path)
     try:
