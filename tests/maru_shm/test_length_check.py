@@ -18,7 +18,7 @@ from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, make_value
 
-SIZE = 3000  # the value of the report: a flip of bit 10 made get return 4024 bytes of a 4096-byte block
+SIZE = 3000  # a flip of its bit 10 makes 4024: still inside its 4096-byte block, wrong bytes without the check
 KEYS = [f"k{i}" for i in range(12)]  # more than SMALL_BATCH: batch reads take the vector path
 VICTIM = KEYS[5]
 FLIPS = [("length", b) for b in range(32)] + [("check", b) for b in range(1, 8)]
