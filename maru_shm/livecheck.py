@@ -24,10 +24,11 @@ import numpy as np
 from .allocator import Allocator
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
 from .errors import LockTimeout, StoreError
-from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
-                     LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
-                     RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
-                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
+from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
+                     KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT,
+                     PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
+                     SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, U32, UNIT_FREE, UNIT_HEAD,
+                     UNIT_TAIL, length_sound)
 from .index import Index
 from .validity import entry_problem
 from .locks import carries_locks, flock_bytes, lock_name
@@ -207,7 +208,7 @@ def _check_units(pool, report) -> None:
             continue
         covered[h:h + info.k] = h
         for t in range(h + 1, h + info.k):
-            st, head = U32.unpack_from(mm, alloc.geo.slab_entry(t))[0], U32.unpack_from(mm, alloc.geo.slab_entry(t) + 4)[0]
+            st, head = SLAB_HEAD.unpack_from(mm, alloc.geo.slab_entry(t))[:2]  # state, and the head of a TAIL
             if st != UNIT_TAIL or head != h:
                 report.problem(f"unit {t}: should be a tail of slab {h}")
     for t in np.flatnonzero((alloc.states == UNIT_TAIL) & (covered < 0)).tolist():
@@ -267,11 +268,11 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     """One slab of a held class: bitmap against metas, free count, partial flag; returns blocks in use."""
     g, alloc, mm = pool.geo, pool.alloc, pool.mm
     s = alloc.geo.slab_entry(h)
-    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
+    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + BITMAP_BYTES])
     used = 0
     for i in range(info.bps):
         off = h * g.unit_size + i * info.block
-        word, d, length, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+        word, d, length, owner, _, flags = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
         state = word & 3
         bit = bool(bm[i >> 3] & (1 << (i & 7)))
         report.checked_blocks += 1
@@ -283,7 +284,9 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
         if state == FREE:
             continue
         used += 1
-        if length > info.block:
+        if not length_sound(length, flags):
+            report.problem(f"block at data offset {off}: length {length} disagrees with its check")
+        elif length > info.block:
             report.problem(f"block at data offset {off}: length {length} exceeds block size {info.block}")
         if owner and not pool.slot_alive(owner):  # the reaper frees it if unpublished, else disowns it
             report.reapable(f"block at data offset {off}: owned by exited process slot {owner - 1}")
@@ -369,7 +372,7 @@ def _report_orphans(pool, locks, report, candidates, named) -> None:
             continue
         s = idx.shard_of(d)
         with _Domain(locks, SHARD_LOCK_BASE + s, CheckReport()):
-            mword, md, _, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+            mword, md, _, owner, _, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
             if mword != word or md != d or owner or idx.find(d) == (word, off):
                 continue
         report.problem(f"block at data offset {off}: live but not indexed and owned by no live process (orphan)")

@@ -28,8 +28,8 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .errors import LockTimeout
-from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
-                     LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS, LOCK_INIT,
+                     LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
 from .guard import guard
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
@@ -363,9 +363,9 @@ class LockTable:
             recs[a:b] = (self.slot_plus1 or 0xFFFFFFFF, 0)
         else:
             idx = np.asarray(ids, dtype=np.int64)
-            dirty = idx[recs[idx, 0] != 0].tolist()
-            recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
-            recs[idx, 1] = 0
+            dirty = idx[recs[idx, LOCK_COL_DIRTY] != 0].tolist()
+            recs[idx, LOCK_COL_DIRTY] = self.slot_plus1 or 0xFFFFFFFF
+            recs[idx, LOCK_COL_OP] = 0
         if _cp.ARMED is not None:
             _cp.hit_lock(lock_name(ids[0]).partition("[")[0])
         return dirty
@@ -374,7 +374,8 @@ class LockTable:
         """All lock records as an (ids, 2) u32 array of (dirty, op) over the mapping (batch paths)."""
         recs = self._recs
         if recs is None:
-            recs = self._recs = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=self.mm, offset=self.off_records)
+            recs = self._recs = np.ndarray((LOCK_IDS, LOCK_RECORD.size // 4), dtype="<u4", buffer=self.mm,
+                                           offset=self.off_records)
         return recs
 
     def release_views(self) -> None:
@@ -391,9 +392,9 @@ class LockTable:
         try:
             if clean:
                 if _is_span(ids):
-                    self._records()[ids[0]:ids[-1] + 1, 0] = 0
+                    self._records()[ids[0]:ids[-1] + 1, LOCK_COL_DIRTY] = 0
                 else:
-                    self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+                    self._records()[np.asarray(ids, dtype=np.int64), LOCK_COL_DIRTY] = 0
             for first, n in _runs(ids):
                 ofd_unlock(fd, first, n)
             held.difference_update(ids)

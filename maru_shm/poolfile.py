@@ -17,8 +17,8 @@ import time
 
 from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
-from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE, FLAG_RELATIONS,
-                     Geometry)
+from .format import (CLASS_STRUCT, FLAG_DEVICE, FLAG_RELATIONS, HEADER_READY_END, LOCK_INIT, MAGIC, STATE_OFF,
+                     STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
 from .locks import ofd_trylock, ofd_unlock
 from .sizeclasses import planned_geometric
 from .sizes import format_size
@@ -279,7 +279,7 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
     """
     actual = dax_size(path) if is_device else os.fstat(fd).st_size
     head = os.pread(fd, min(actual, SUPERBLOCK_SIZE), 0) if actual else b""
-    ready = len(head) >= STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
+    ready = len(head) >= HEADER_READY_END and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
     if ready:
         geo = Geometry.read(head, actual)
         if size is not None and size != geo.file_size and not is_device:
@@ -387,7 +387,8 @@ def regrow_truncated(fd: int, path: str, size: int, file_size: int) -> Truncated
             os.ftruncate(fd, file_size)
         if os.pread(fd, 8, 0) != MAGIC:
             os.pwrite(fd, MAGIC, 0)
-        os.pwrite(fd, bytes(4), STATE_OFF)  # not READY: a partial truncation left a header that still looks whole
+        # not READY: a partial truncation left a header that still looks whole
+        os.pwrite(fd, bytes(HEADER_READY_END - STATE_OFF), STATE_OFF)
         grown = "grown back to its size, to be formatted again by the next create=True opener"
     except OSError as e:
         grown = f"could not be grown back ({e.strerror})"

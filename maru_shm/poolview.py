@@ -25,11 +25,12 @@ import numpy as np
 
 from . import faultguard
 from .errors import NotAPoolError, PoolDamagedError, StoreError
-from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
-                     HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
-                     LOCK_PROC, LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE,
-                     PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY,
-                     SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
+from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
+                     ENTRY_WORD_OFF, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
+                     LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
+                     MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
+                     PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
+                     SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
 from .poolfile import dax_size, open_existing, side_lock_path
 from .allocator.relations import Relations
@@ -100,7 +101,7 @@ class PoolView:
                 lock_fd = fd
             else:
                 raise NotAPoolError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
-            head = os.pread(fd, STATE_OFF + 4, 0) if size >= STATE_OFF + 4 else b""
+            head = os.pread(fd, HEADER_READY_END, 0) if size >= HEADER_READY_END else b""
             geo = Geometry.read(head, size)
             mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
             if Geometry.read(mm, geo.file_size) != geo:
@@ -188,8 +189,8 @@ class _Snapshot:
         g = v.geo
         self.v, self.g = v, g
         self._meta = None
-        self.states = _column(v.mm, g.off_slabs, g.n_units, SLAB_ENTRY, "<u4")
-        self.clsfield = _column(v.mm, g.off_slabs + 4, g.n_units, SLAB_ENTRY, "<u4")
+        self.states = _column(v.mm, g.off_slabs + SLAB_STATE, g.n_units, SLAB_ENTRY, "<u4")
+        self.clsfield = _column(v.mm, g.off_slabs + SLAB_CLS, g.n_units, SLAB_ENTRY, "<u4")
         self.classes = _read_classes(v.mm, g)
         self.relations = Relations(v.mm, g)
 
@@ -198,7 +199,7 @@ class _Snapshot:
         """(words, lengths, owners) of every block meta."""
         if self._meta is None:
             g = self.g
-            self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, 32, "<u8"),
+            self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, META_SIZE, "<u8"),
                           _column(self.v.mm, g.off_blockmeta + META_LENGTH_OFF, g.n_granules, META_SIZE, "<u4"),
                           _column(self.v.mm, g.off_blockmeta + META_OWNER_OFF, g.n_granules, META_SIZE, "<u2"))
         return self._meta
@@ -220,8 +221,9 @@ def _read_classes(mm, g: Geometry) -> dict[int, dict]:
 def _index_shape(v: PoolView) -> dict:
     g = v.geo
     n = g.index_slots
-    words = _column(v.mm, g.off_index + 16, n, ENTRY_SIZE, "<u8")
-    homes = _column(v.mm, g.off_index + 8, n, ENTRY_SIZE, "<u8")  # digest bytes 8..15: the home slot's hash
+    words = _column(v.mm, g.off_index + ENTRY_WORD_OFF, n, ENTRY_SIZE, "<u8")
+    # the digest's second u64 half: the home slot's hash
+    homes = _column(v.mm, g.off_index + (ENTRY_COL_DIGEST + 1) * 8, n, ENTRY_SIZE, "<u8")
     used = words != 0
     pos = np.arange(n, dtype=np.int64) % g.shard_slots
     home = (homes & np.uint64(g.shard_slots - 1)).astype(np.int64)
@@ -353,9 +355,9 @@ def _lock_domain(lock_id: int) -> tuple[str, int | None]:
 
 def _dirty_locks(v: PoolView) -> list[dict]:
     g = v.geo
-    rec = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=v.mm, offset=g.off_locks)
+    rec = np.ndarray((LOCK_IDS, LOCK_RECORD.size // 4), dtype="<u4", buffer=v.mm, offset=g.off_locks)
     try:
-        marked = np.flatnonzero(rec[:, 0]).tolist()
+        marked = np.flatnonzero(rec[:, LOCK_COL_DIRTY]).tolist()
     finally:
         del rec
     out = []

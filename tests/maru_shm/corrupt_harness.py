@@ -41,7 +41,7 @@ from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BA
                              DOOM_ENTRIES, DOOM_SIZE, ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE, RELATION_SIZE,
                              LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY,
                              SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE,
-                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry)
+                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry, length_sound)
 from maru_shm.index import key_digest
 from maru_shm.poolview import PoolView, report
 
@@ -241,8 +241,9 @@ def changed_ranges(t: Template, img) -> np.ndarray:
 
 def tainted_keys(t: Template, img) -> set:
     """Keys whose stored representation the corruption touched, so a read may legitimately return wrong
-    bytes for them (the format has no payload checksum): their data bytes, their meta length, or a meta
-    elsewhere now claiming their digest with state LIVE (a forged block)."""
+    bytes for them (the format has no payload checksum): their data bytes, their meta length changed to
+    one that agrees with its check (the meta flags: one bit flipped never does), or a meta elsewhere now
+    claiming their digest with state LIVE (a forged block)."""
     g = t.geo
     diff = changed_ranges(t, img)
     out = set()
@@ -253,7 +254,8 @@ def tainted_keys(t: Template, img) -> set:
         if ((diff >= lo) & (diff < lo + length)).any():
             out.add(k)
         m = g.off_blockmeta + (off // g.granule) * META_SIZE
-        if ((diff >= m + 24) & (diff < m + 28)).any():
+        new_length, new_flags = META_STRUCT.unpack_from(img, m)[2::3]
+        if new_length != length and length_sound(new_length, new_flags):
             out.add(k)
     # only a meta record the corruption changed can newly claim a key's digest
     lo, hi = g.off_blockmeta, g.off_blockmeta + g.n_granules * META_SIZE
@@ -369,11 +371,13 @@ def _judge(t: Template, old: bytes, new: bytes, name, idx, fields):
             return True if b[0] & 3 != FREE else False  # a FREE meta's counter and leftovers are free to vary
         if a[0] != b[0] or a[1] != b[1]:
             return True
+        if not length_sound(b[2], b[5]):
+            return True  # a length its check refutes
         if a[3] != b[3]:
             return None  # owner: names a dead slot (reported) or this checking process (legitimate)
         if a[2] != b[2]:
-            return None  # length: reported only past the block size
-        return False  # ref bit
+            return None  # a length that agrees with its changed check: reported only past the block size
+        return False  # ref bit, pinned bit
     return None
 
 
