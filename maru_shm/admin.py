@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 
 from .check import CheckReport, check_store
 from .errors import NotAPoolError, PoolInUseError, StoreError
 from .format import LOCK_PROC, MAGIC, SUPERBLOCK_SIZE, Geometry
 from .livecheck import check_live
-from .locks import ofd_trylock, ofd_unlock
-from .poolfile import is_device_path, side_lock_path
+from .locks import ofd_unlock, take_lock
+from .poolfile import is_device_path, open_side_lock
 from .poolview import PoolView, processes
 from .sizes import parse_size
 from .store import Store
@@ -61,9 +60,9 @@ def destroy_pool(path: str, *, force: bool = False, timeout: float = 10.0) -> li
     try:
         if os.pread(fd, 8, 0) != MAGIC:
             raise NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to destroy it")
-        if device:
-            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        _take(lock_fd, LOCK_PROC, timeout, path)
+        if device:  # the lock file under the rule an opener of the device's own mode applies
+            lock_fd = open_side_lock(path, 0o660 if os.fstat(fd).st_mode & 0o020 else 0o600)
+        take_lock(lock_fd, LOCK_PROC, timeout, f"the process-table lock of {path} (lock PROC)")
         try:
             alive = _live_processes(path, force)
             if alive and not force:
@@ -98,14 +97,6 @@ def _pool_kind(path: str) -> bool:
     if not stat.S_ISCHR(st.st_mode) and not stat.S_ISREG(st.st_mode):
         raise NotAPoolError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
     return stat.S_ISCHR(st.st_mode)
-
-
-def _take(lock_fd: int, lock_id: int, timeout: float, path: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not ofd_trylock(lock_fd, lock_id):
-        if time.monotonic() > deadline:
-            raise StoreError(f"timed out after {timeout:g}s waiting for the process-table lock of {path}")
-        time.sleep(0.005)
 
 
 def _live_processes(path: str, force: bool) -> list[dict]:

@@ -15,22 +15,20 @@ findings are those of the whole-pool check (`check.check_store`), which repair s
 
 from __future__ import annotations
 
-import fcntl
 import os
-import time
 
 import numpy as np
 
 from .allocator import Allocator
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
-from .errors import LockTimeout, StoreError
+from .errors import StoreError
 from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
                      LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
                      RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
                      SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
 from .index import Index
 from .validity import entry_problem
-from .locks import carries_locks, flock_bytes, lock_name
+from .locks import carries_locks, lock_name, ofd_unlock, take_lock
 
 
 class ReadLocks:
@@ -45,29 +43,15 @@ class ReadLocks:
     def lock_fds(self) -> list[int]:
         return [] if self.fd < 0 else [self.fd]
 
-    def _fcntl(self, kind: int, lock_id: int) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_bytes(kind, lock_id))
-
     def acquire(self, lock_id: int) -> bool:
         """Take the lock shared; True if its last holder left its section dirty (died in it)."""
-        deadline = time.monotonic() + self.timeout
-        delay = 20e-6
-        while True:
-            try:
-                self._fcntl(fcntl.F_RDLCK, lock_id)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise LockTimeout(f"check: timed out after {self.timeout:g}s waiting for lock "
-                                      f"{lock_name(lock_id)}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+        take_lock(self.fd, lock_id, self.timeout, f"lock {lock_name(lock_id)} (check)", shared=True)
         if lock_id >= LOCK_IDS:
             return False
         return LOCK_RECORD.unpack_from(self.mm, self.off_records + lock_id * LOCK_RECORD.size)[0] != 0
 
     def release(self, lock_id: int) -> None:
-        self._fcntl(fcntl.F_UNLCK, lock_id)
+        ofd_unlock(self.fd, lock_id)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1

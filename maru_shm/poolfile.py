@@ -19,7 +19,7 @@ from . import crashpoints as _cp
 from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
 from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE, FLAG_RELATIONS,
                      Geometry)
-from .locks import ofd_trylock, ofd_unlock
+from .locks import ofd_unlock, take_lock
 from .sizeclasses import planned_geometric
 from .sizes import format_size
 
@@ -224,7 +224,7 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
         deadline = time.monotonic() + timeout
         while True:
-            _take_init_lock(lock_fd, path, timeout)
+            take_lock(lock_fd, LOCK_INIT, timeout, f"another process to initialise {path} (lock INIT)")
             if _cp.ARMED is not None:
                 _cp.hit_lock("INIT")
             try:
@@ -257,15 +257,6 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
 
 class _NotReady(Exception):
     pass
-
-
-def _take_init_lock(fd: int, path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ofd_trylock(fd, LOCK_INIT):
-        if time.monotonic() > deadline:
-            from .errors import LockTimeout
-            raise LockTimeout(f"timed out after {timeout:.3g}s waiting for another process to initialise {path}")
-        time.sleep(0.001)
 
 
 def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, create: bool,

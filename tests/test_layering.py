@@ -8,7 +8,7 @@ face of maru_shm.
         write path, publication, put batches, batch lookup
     L2  allocator/  index/  locks  poolfile  pieces  faultguard  fence  copyengine
     L1  format (superblock, geometry, records, words, lock ids), size classes
-    L0  errors, human sizes, crash points, idle cores, the copy plan, thread guards
+    L0  errors, human sizes, crash points, idle cores, the copy plan, thread guards, the lock wait
 
 The imports are read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -23,7 +23,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan", "guard"},
+    0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan", "guard", "lockwait"},
     1: {"format", "sizeclasses"},
     2: {"allocator", "index", "locks", "poolfile", "pieces", "faultguard", "fence", "copyengine"},
     3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",
