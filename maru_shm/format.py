@@ -20,7 +20,7 @@ from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
 
 MAGIC = b"MARUSHM\0"
-VERSION = 1
+VERSION = 2  # 2: the locks live in the pool's lock file, never on the pool file (section 3)
 SUPERBLOCK_SIZE = 4096
 CHECKSUM_OFF = 252
 STATE_OFF = 256
@@ -32,12 +32,18 @@ DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no l
 FREE_FLOOR_OFF = 416    # u32: no unit below it is FREE (hint, POOL lock): where the search for free units starts
 DOOM_CURSOR_OFF = 420   # u32: next doom ring entry to write (hint, no lock; section 6a)
 HEALS_OFF = 424         # u64: processes that attached after losing their previous pool (PROC lock)
+LOCK_BOOT_OFF = 432     # 16s: boot id of the boot in which the lock file was made to name this pool (INIT lock)
+POOL_UUID_OFF = 152     # 16s: pool_uuid, in the immutable part (read raw by whoever matches a lock file to its pool)
 STATE_READY = 2
 
 FLAG_DEVICE = 1
 FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
 
 # --- locks ---------------------------------------------------------------
+# Every lock is one byte at LOCK_BASE + id of the pool's lock file, which starts with LOCK_FILE_HEAD:
+# LOCK_FILE_MAGIC, then the pool_uuid of the pool it serves (written under INIT by the creator).
+LOCK_FILE_MAGIC = b"MARULOCK"
+LOCK_FILE_HEAD = struct.Struct("<8s16s")
 LOCK_BASE = 1 << 40
 LOCK_IDS = 2048
 LOCK_INIT, LOCK_PROC, LOCK_CLASSTAB, LOCK_POOL = 0, 1, 2, 3
@@ -159,7 +165,7 @@ _SB_FIELDS = (
     "off_shards", "off_index", "off_blockmeta", "off_data", "data_bytes", "created_ns",
     "pool_uuid",
 )
-assert SUPERBLOCK.size <= CHECKSUM_OFF
+assert SUPERBLOCK.size <= CHECKSUM_OFF and SUPERBLOCK.size == POOL_UUID_OFF + 16  # pool_uuid is the last field
 
 
 def _align(n: int, a: int) -> int:
@@ -380,8 +386,8 @@ class Geometry:
         vals = dict(zip(_SB_FIELDS, SUPERBLOCK.unpack_from(raw, 0)))
         if vals["version"] != VERSION:
             raise VersionError(
-                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: "
-                "use a matching maru_shm or recreate the pool")
+                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: use a matching "
+                "maru_shm, or re-create the pool (maru-shm destroy --force PATH, then create it)")
         (stored,) = U32.unpack_from(raw, CHECKSUM_OFF)
         if zlib.crc32(raw[:CHECKSUM_OFF]) != stored:
             raise CorruptPoolError("pool header checksum mismatch: the header is damaged; recreate the pool")

@@ -59,8 +59,8 @@ class ReadLocks:
 
 
 class NoLocks:
-    """For a caller that holds every lock already (repair), or a DAX pool whose side lock file does not
-    exist (no process attached since boot, so none holds a lock)."""
+    """For a caller that holds every lock already (repair), or a view that cannot see the pool's locks (its
+    user may only read the pool): then the check takes no lock, and says so (`CheckReport.unlocked`)."""
 
     def acquire(self, lock_id: int) -> bool:
         return False
@@ -89,7 +89,8 @@ class _Pool:
         self.index = Index(view.mm, view.geo)
 
     def slot_alive(self, owner_plus1: int) -> bool:
-        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1)
+        """Unknown liveness (a view that cannot see locks) counts as alive: nothing is called reapable."""
+        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1) is not False
 
     def count(self, **counters: int) -> None:
         pass  # a read-only check has no process slot to count in
@@ -128,6 +129,7 @@ def check_live(view, *, timeout: float = 10.0, progress=None) -> CheckReport:
     locks = NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
     try:
         report = check_domains(pool, locks, progress)
+        report.unlocked = view.lock_fd is None
     finally:
         locks.close()
         pool.release_views()

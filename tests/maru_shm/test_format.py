@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from maru_shm import (CorruptPoolError, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
+from maru_shm import (CorruptPoolError, remove_pool, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
                       StoreError, TruncatedPoolError, VersionError)
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
                              META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
@@ -338,10 +338,7 @@ def test_racing_creators_make_one_pool(pool_path, children, n):
                 assert s.geo.pool_uuid == results[0][1:]
                 assert s.check().ok
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_pool(path)
 
 
 # ---------------------------------------------------------------- unfinished files

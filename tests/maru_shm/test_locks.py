@@ -17,6 +17,7 @@ from maru_shm import locks as locks_mod
 from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
                              LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
+from maru_shm.lockfile import lock_file_path
 
 from ..conftest import assert_clean, reserve, value_version
 
@@ -25,12 +26,12 @@ BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must sti
 
 
 def descriptions_of(path) -> int:
-    """How many of this process's descriptors are open on the pool file. Counting only these keeps the
-    test blind to descriptors of earlier tests' garbage, which any collection may close."""
-    target, n = os.path.realpath(path), 0
+    """How many of this process's descriptors are open on the pool file or its lock file. Counting only
+    these keeps the test blind to descriptors of earlier tests' garbage, which any collection may close."""
+    targets, n = {os.path.realpath(path), os.path.realpath(lock_file_path(path, False))}, 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == target
+            n += os.readlink(f"/proc/self/fd/{fd}") in targets
         except OSError:  # the listing's own descriptor, gone once listed
             pass
     return n
@@ -601,8 +602,8 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
 
 def _a_lock_held_by_anyone(path) -> str | None:
     """Name of the lowest lock with a record that some open file description holds, seen from a description
-    of our own (F_OFD_GETLK over every id at once); None if none is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
+    fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
     try:
         res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, locks_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
     finally:

@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from maru_shm import remove_pool
+
 from .registry import figure, progress_of, scenario
 
 VALUE = 128 << 10
@@ -292,8 +294,7 @@ def scaling(processes=PROCESSES, duration: float = 1.0, repeat: int = 3, n_keys:
             points.append(pt)
     finally:
         for p in (pool, copy_path):
-            if os.path.exists(p):
-                os.unlink(p)
+            remove_pool(p)
     return {"value_bytes": VALUE, "keys": n_keys, "duration_s": duration, "repeat": repeat, "cores": cores(),
             "points": points, **verdict(points, cores())}
 
