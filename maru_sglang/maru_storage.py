@@ -5,7 +5,7 @@ class name and `maru_*` keys) with no server: every SGLang process maps the
 same pool file and moves pages directly between its host pool and the file.
 
 - The page size in bytes comes from the registered host pool and becomes an
-  exact-fit size class of the pool, so no byte of the file is padding (seed 000).
+  exact-fit size class of the pool, so no byte of the file is padding.
 - The pool is attached once every host pool is registered (SGLang's
   on_host_pools_registered(), or the first call that needs it), so that a pool
   this instance creates fits its smallest page (maru_sglang.pool).

@@ -8,7 +8,7 @@ block, and the index would evict while the file was mostly free. Created for the
 A pool created by another instance keeps its geometry; an instance whose pages it cannot hold densely says
 so once, naming the key that sizes the pool for them.
 
-Healing (BRIEF invariant 11). An operator may truncate, remove (`maru-shm destroy --force`) or re-create
+Healing (docs/DESIGN.md section 10). An operator may truncate, remove (`maru-shm destroy --force`) or re-create
 the pool under a running server. The pool is lost when the store says so (`Store.lost()`: damage a call
 met, or the path removed or naming another file), asked after a call failed with a StoreError, and on the
 calls' path at most once per `maru_heal_retry_s` (one stat). Then:

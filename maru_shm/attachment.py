@@ -50,7 +50,7 @@ class Attachment:
         delivers SIGBUS; faultguard absorbs it inside our mapping (zero page, counted), and this check
         turns the count into PoolDamagedError. The header check catches a pool that was overwritten or
         re-created by someone else. A shrunk file is grown back and marked for re-format (FORMAT.md
-        section 13), so that the next create=True opener formats it again.
+        section 2), so that the next create=True opener formats it again.
         """
         if self.damage is not None:
             raise self.damage

@@ -83,7 +83,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
 
 def untracked_blocks(store) -> list[int]:
     """Offsets of the blocks this process's slot owns that no kept list and no call in flight holds: what a
-    call cut short left behind (FORMAT.md section 9). Only this process can tell: to another one (the live
+    call cut short left behind (DESIGN.md section 9). Only this process can tell: to another one (the live
     check of `maru-shm check`), a block owned by a live process is simply in flight."""
     slot, metas = store.slot, store.alloc.metas
     if slot < 0:

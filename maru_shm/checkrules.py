@@ -32,7 +32,7 @@ class CheckReport:
         self.problems.append(msg)
 
     def reapable(self, msg: str) -> None:
-        """What a process that exited left for the next opener to reap (FORMAT.md section 5): not damage."""
+        """What a process that exited left for the next opener to reap (FORMAT.md section 9, reaping): not damage."""
         self.to_reap.append(msg)
 
     def __bool__(self) -> bool:

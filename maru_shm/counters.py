@@ -3,7 +3,7 @@
 The slot is the process table's (`ProcessTable.counters_at`); what is written there, in COUNTERS order,
 is this module's alone.
 
-The slot's counters are added to the retired totals when the slot is retired (FORMAT.md section 5), so
+The slot's counters are added to the retired totals when the slot is retired (FORMAT.md section 10), so
 pool-wide figures survive processes that come and go.
 """
 

@@ -2,7 +2,7 @@
 
 A page of a shared file mapping past the end of its file (someone truncated the pool) or on a full
 tmpfs delivers SIGBUS to the thread touching it, which kills an SGLang server; no signal may escape the
-store (docs/FORMAT.md section 13).
+store (docs/DESIGN.md section 10).
 The size check at every call (Store._check_intact) closes the window between calls; this closes the
 window inside a call. On SIGBUS at an address inside a registered mapping, the handler maps one private
 zero page over the faulting page (MAP_FIXED) and returns: the access completes on zeros, the store is

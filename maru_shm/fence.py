@@ -2,7 +2,7 @@
 
 A copy releases the GIL (ctypes.memmove, numpy, torch): another thread's close() that unmapped the pool
 then would turn that copy into a SIGSEGV in the host process, and no signal may escape the store
-(docs/FORMAT.md section 13). Every public call enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
+(docs/DESIGN.md section 10). Every public call enters the fence; close() shuts it (no new call gets in: PoolClosedError) and waits for the calls inside
 to leave before the mapping goes.
 
 Each call is counted in under a token of its own, and entering or leaving is one dict operation (atomic

@@ -1,4 +1,4 @@
-"""The store's thread mutexes, which an exception never leaves held (BRIEF invariant 9).
+"""The store's thread mutexes, which an exception never leaves held (FORMAT.md invariant 3).
 
 `with lock:` calls the lock's `__exit__` after the block, on a bytecode of its own: an exception raised
 right there (KeyboardInterrupt, a signal handler's) leaves the lock held, and the next thread to take it

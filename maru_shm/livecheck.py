@@ -4,7 +4,7 @@ Writers keep working while it runs: it never holds more than one domain's lock (
 CLASS, one SHARD, PROC), each for one pass over that domain, and it takes them as *read* locks
 (F_RDLCK on its own read-only description of the lock file): a writer's F_WRLCK conflicts with it
 exactly as with another writer, but the check writes nothing, not even the lock records' dirty marks
-(FORMAT.md section 3), so it runs on a read-only mapping (`PoolView`) and needs no process slot.
+(DESIGN.md section 1), so it runs on a read-only mapping (`PoolView`) and needs no process slot.
 
 A fact that spans two domains (an index entry names a LIVE block; a LIVE block is indexed) is
 judged under the lock that makes it stable: an entry's block under its SHARD lock (nothing frees or

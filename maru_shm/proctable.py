@@ -1,4 +1,4 @@
-"""The process table: one slot per attached process, proved alive by its SLOT lock (FORMAT.md section 5).
+"""The process table: one slot per attached process, proved alive by its SLOT lock (FORMAT.md section 10).
 
 A slot is claimed under the PROC lock together with its SLOT lock, and both stay held while the process
 lives; the kernel drops the SLOT lock when the process dies however it dies, which is what makes

@@ -1,4 +1,4 @@
-"""Reaping: settle what a dead process left behind, and free its slot (FORMAT.md sections 5 and 11).
+"""Reaping: settle what a dead process left behind, and free its slot (FORMAT.md sections 9 and 10).
 
 A slot is dead when its entry is claimed and its SLOT lock can be taken. The reaper takes that lock
 (so two reapers never settle one slot), hands the blocks whose meta names the slot as owner to the

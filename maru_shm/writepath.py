@@ -130,7 +130,7 @@ class WritePath:
         if relations is not None:
             lives = next_words(np.asarray(reserved, dtype=np.uint64), LIVE)
             written = self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
-            # A value with a record starts used (FORMAT.md 6a): it continues a request that just ran, whose next
+            # A value with a record starts used (DESIGN.md section 8): it continues a request that just ran, whose next
             # turn reads it; starting unused, the CLOCK would take a chain's newest pages before their first reuse.
             self.att.alloc.meta_refs[written] = 1
             if _cp.ARMED is not None:

@@ -177,7 +177,7 @@ def test_relative_imports_are_resolved():
     assert {"maru_shm.publish", "maru_shm.allocator"} <= set(_imports(store))
 
 
-# No god classes: a newcomer reads one concept at a time (issue 15's limits).
+# No god classes: a newcomer reads one concept at a time (the limits below).
 MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 600, 400, 90
 
 

@@ -1,4 +1,4 @@
-"""Mechanism: evict blocks within a class, chosen by the class's block CLOCK (FORMAT.md section 8).
+"""Mechanism: evict blocks within a class, chosen by the class's block CLOCK (DESIGN.md section 7).
 
 The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit, blocks by
 index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is cleared as the hand

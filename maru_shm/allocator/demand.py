@@ -28,7 +28,7 @@ from .classtable import ClassInfo
 DEMAND_EPOCH_DIV = 4
 # A class that must evict takes a slab from class d, evicting what does not fit elsewhere in d, only if d
 # after giving one of its slabs would still keep its values at least (1 + MOVE_MARGIN) times as long as the
-# taker after taking one (FORMAT.md section 8): the margin keeps demand noise from trading slabs back and
+# taker after taking one (DESIGN.md section 7): the margin keeps demand noise from trading slabs back and
 # forth at the price of evictions.
 MOVE_MARGIN = 0.3
 # A slab whose live values all fit in free blocks of d elsewhere (moved, not evicted) is taken whenever the
@@ -84,7 +84,7 @@ class DemandPolicy:
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
     def donors(self, info: ClassInfo) -> Donors:
-        """The rule (FORMAT.md section 8): the classes that may give a slab to class c = `info` now.
+        """The rule (DESIGN.md section 7): the classes that may give a slab to class c = `info` now.
 
         Every class with a slab, when c has none. Otherwise, with retention r = slab units / decayed demand
         and k a class's slab units: class d with a slab may give one whose values all move if

@@ -1,4 +1,4 @@
-"""Runs of FREE units, where new slabs are formatted (POOL lock; FORMAT.md section 4).
+"""Runs of FREE units, where new slabs are formatted (POOL lock; FORMAT.md section 5, DESIGN.md section 7).
 
 The free floor (superblock `free_floor`) is a hint: no unit below it is FREE. A search starts there and
 reads the slab table in growing windows, so a full pool costs nothing to ask and a filling pool reads a

@@ -13,7 +13,7 @@ A public call that may own blocks (a put, a delete) has a ledger: every block it
 `holders` *before* its owner is written, so at every bytecode each block this process owns is held by a
 kept list or by an open ledger (the last one to take it). A call that an exception ends hands what its
 ledger still holds to the reaper's settling (Store._entry); one that returns has given every block away
-(published, freed or kept). FORMAT.md section 9, "An exception in a live process".
+(published, freed or kept). DESIGN.md section 9, "An exception in a live process".
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class KeptBlocks:
         word first (the next sequence: a reader still holding the old word fails validation from then
         on), then digest, length, owner, ref. A block whose word or owner is not what was kept (the pool
         was cleared) is dropped from the list and left alone. No demand is counted: the class does not
-        grow. FORMAT.md section 8, put step 6.
+        grow. FORMAT.md section 8, put step 6; DESIGN.md section 5.
         """
         m = len(lengths)
         with self._guard:

@@ -1,5 +1,5 @@
 """Mechanism: move the live values of slabs leaving their class into free blocks of the same class
-(memcached's slab rescue), so that a slab move evicts only what does not fit (FORMAT.md section 8).
+(memcached's slab rescue), so that a slab move evicts only what does not fit (FORMAT.md section 8, DESIGN.md section 7).
 
 A slab move evicts a window of slabs whose values belong to many requests; each evicted page dooms its
 request (relations.py). Where the giving class has free blocks in its other slabs, each live value of

@@ -1,4 +1,4 @@
-"""Allocation: reserve one block per value, making room when the class has none (FORMAT.md section 8).
+"""Allocation: reserve one block per value, making room when the class has none (FORMAT.md section 8, DESIGN.md section 7).
 
 Blocks come from the process's kept blocks first (no lock, kept.py), then from the class's partial
 slabs under CLASS[c]; with none left the class makes room: free units for a new slab, else a slab move

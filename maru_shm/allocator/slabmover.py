@@ -196,8 +196,8 @@ class SlabMover:
         """Masks of the values a doom has stranded, and of those stranded through their parent: a move frees
         them and never carries them, and one stranded through its parent dooms its whole segment, as the
         block CLOCK's victims do. Carried, one could land in a window that this process's search for
-        stranded values has passed in its current lap (blockclock.py), and wait there for the hand (FORMAT.md
-        section 6a)."""
+        stranded values has passed in its current lap (blockclock.py), and wait there for the hand (DESIGN.md
+        section 8)."""
         none = np.zeros(len(valid), dtype=bool)
         if rows is None or not self.relations.doomed_any():
             return none, none

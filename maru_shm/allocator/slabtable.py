@@ -1,4 +1,4 @@
-"""The slab table: one 64-byte entry per unit (FORMAT.md section 4), and the derived state kept in it.
+"""The slab table: one 64-byte entry per unit (FORMAT.md section 5), and the derived state kept in it.
 
 A HEAD entry (state, class) is one of the two sources of truth: it says which units form a slab of
 which class. TAIL entries, bitmaps, free counts, the partial list links and the ref bit are derived and

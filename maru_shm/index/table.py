@@ -168,7 +168,7 @@ class Index:
         within the batch, keys found in the window (a replace), keys with no empty slot in it, and
         every key of a shard the batch would push to its load limit (the caller evicts first).
         Digest and offset of all keys are written before any word, so a reader never pairs a new
-        word with a stale digest (section 8 of FORMAT.md). `plan`: `home_plan` of these keys (or of
+        word with a stale digest (FORMAT.md section 7). `plan`: `home_plan` of these keys (or of
         a batch they are a subset of, rows selected alike), computed before the locks were taken.
         """
         entries = self.table

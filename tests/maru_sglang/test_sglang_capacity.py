@@ -1,4 +1,4 @@
-"""Capacity (seed 000): Llama-3.1-8B pages in exact-fit blocks fill the pool file, not 12.5 % of it.
+"""Capacity: Llama-3.1-8B pages in exact-fit blocks fill the pool file, not 12.5 % of it.
 
 Calls MaruStorage's batch_set_v1 directly (hicache_helpers): a capacity figure needs thousands of
 pages and no controller thread changes what lands in the pool; test_sglang_controller.py runs the

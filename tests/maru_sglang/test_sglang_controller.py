@@ -1,4 +1,4 @@
-"""SGLang's own HiCache controller drives MaruStorage across two processes (issue 16).
+"""SGLang's own HiCache controller drives MaruStorage across two processes.
 
 Everything between the host pool and the pool file is SGLang 0.5.23's code: its assembler
 (build_kv_only_stack) builds the HybridCacheController from a real ServerArgs, its `dynamic` factory

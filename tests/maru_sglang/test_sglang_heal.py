@@ -1,4 +1,4 @@
-"""The backend heals (BRIEF invariant 11, issue #37 item 8): a pool truncated, removed and re-created by
+"""The backend heals (DESIGN.md section 10, *Healing*): a pool truncated, removed and re-created by
 another instance, or destroyed with `--force` under a running MaruStorage is detached, its calls answer
 misses without raising, and it is reopened (or created again) with backoff; the heal is counted in the new
 pool and shown by `maru-shm inspect`.

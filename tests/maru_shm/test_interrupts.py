@@ -1,4 +1,4 @@
-"""An exception at any bytecode of a public call (BRIEF invariant 9, issue #37 item 2).
+"""An exception at any bytecode of a public call (FORMAT.md invariant 3; DESIGN.md section 9).
 
 A trace hook raises KeyboardInterrupt at a random line event inside maru_shm (every module), as a SIGINT
 or a signal handler's exception would between two bytecodes, while a seeded workload runs puts, gets,

@@ -204,7 +204,7 @@ def test_threads_of_one_process_exclude_each_other(open_store):
 
 
 def test_put_that_times_out_leaves_no_block_behind(open_store, pool_path, children, make_value):
-    """Invariant 2: a put that fails on a lock must not leave its block allocated (nor owned) forever."""
+    """FORMAT.md invariant 3: a put that fails on a lock must not leave its block allocated (nor owned) forever."""
     keeper = open_store("8M", timeout=TIMEOUT)  # slot 0, stays attached
     writer = open_store(path=pool_path, create=False, timeout=TIMEOUT)
     shard = writer.index.shard_of(key_digest("k"))
@@ -598,7 +598,7 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
     assert tables() - before <= 1
 
 
-# ---------------------------------------------------------------- exceptions at any bytecode (issue #37)
+# ---------------------------------------------------------------- exceptions at any bytecode (FORMAT.md invariant 3)
 
 def _a_lock_held_by_anyone(path) -> str | None:
     """Name of the lowest lock with a record that some open file description holds, seen from a description
@@ -699,7 +699,7 @@ def test_a_repair_cut_short_leaves_every_domain_dirty(open_store, pool_path, mon
     assert calls == [1]  # the next holder repairs it
 
 
-# ---------------------------------------------------------------- fork() (issue #37, item 3)
+# ---------------------------------------------------------------- fork() (FORMAT.md invariant 4)
 
 def _fork_inside_a_section(path, lock_id, ready_fd, extra):
     """Child: attach, open this thread's lock description (a put), enter a lock's section, fork a grandchild

@@ -1,4 +1,4 @@
-"""Who may open a pool (docs/FORMAT.md section 12).
+"""Who may open a pool (docs/DESIGN.md section 2).
 
 - A pool is created 0600 (owner only) unless asked otherwise; the mode does not depend on the umask.
 - mode=0o660 (group mode) shares it with the file's group: a second user in that group opens and

@@ -1,4 +1,4 @@
-"""No signal escapes the store into its host process (brief, invariant 6; FORMAT.md section 13).
+"""No signal escapes the store into its host process (DESIGN.md section 10).
 
 Each dangerous scenario runs in a child process: a SIGBUS or SIGSEGV there fails the test with the
 signal's name instead of killing pytest.

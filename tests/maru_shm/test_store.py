@@ -266,7 +266,7 @@ def test_detached_process_leaves_the_table(pool_path):
         assert st["puts"] >= 1  # a detached process's counters are kept (retired)
 
 
-# ---------------------------------------------------------------- untrusted input (invariant 4)
+# ---------------------------------------------------------------- untrusted input (FORMAT.md section 11)
 
 def test_index_entry_not_naming_a_block_start_is_a_miss(store):
     """An entry whose offset is moved inside the block must not serve shifted bytes."""

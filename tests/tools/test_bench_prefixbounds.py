@@ -1,4 +1,4 @@
-"""The prefixbounds scenario of `maru-shm bench`: simulated page policies on the prefix-tree trace (#19).
+"""The prefixbounds scenario of `maru-shm bench`: simulated page policies on the prefix-tree trace.
 
 Each policy is checked on a hand-made tree where the right victim is known, and the replay's asks and the
 trace's session ends against the trace itself. No figure is asserted beyond what holds by construction.

@@ -1,4 +1,4 @@
-"""The prefix-tree scenario of `maru-shm bench` (#19): its trace, its reference tiers, and a tiny run.
+"""The prefix-tree scenario of `maru-shm bench`: its trace, its reference tiers, and a tiny run.
 
 Nothing here asserts a goal: only that the trace is the tree it claims to be, that the reference tiers
 are exact on hand-made cases, and that a run through the real MaruStorage produces sane figures (a pool

@@ -1,4 +1,4 @@
-"""Policy bounds on the prefix-tree trace (#19): what a page-level policy can serve, online to offline.
+"""Policy bounds on the prefix-tree trace: what a page-level policy can serve, online to offline.
 
 The prefix-tree scenario measures the store against exact per-object LRU and an unbounded pool. This one
 asks how much of that gap any eviction policy can win, and what it must know to win it. Each contestant

@@ -1,4 +1,4 @@
-"""Prefix-tree scenario of `maru-shm bench`: an SGLang-like conversation trace through MaruStorage (#19).
+"""Prefix-tree scenario of `maru-shm bench`: an SGLang-like conversation trace through MaruStorage.
 
 The trace (seeded, `Trace`): conversations open with one of a few shared system prompts (Zipf-popular),
 then grow turn by turn: each request is the conversation so far plus a new user message, and its answer is
@@ -350,7 +350,7 @@ NAME = "prefixtree"
 
 
 def gap_is_a_goal(run: dict) -> bool:
-    """#19 sets a goal for the share of the gap won only in the SGLang-like replay at 3x and 6x."""
+    """The share of the gap won is a goal only in the SGLang-like replay at 3x and 6x."""
     return run["replay"] == "sglang" and run["ratio"] >= 3
 
 

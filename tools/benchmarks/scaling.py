@@ -300,7 +300,7 @@ def scaling(processes=PROCESSES, duration: float = 1.0, repeat: int = 3, n_keys:
 
 
 def verdict(points: list[dict], ncores: int) -> dict:
-    """Goal of issue 5: scales to the core count and does not collapse beyond it."""
+    """The goal: scales to the core count and does not collapse beyond it."""
     by_n = {p["processes"]: p["ops_s"]["median"] for p in points}
     cby_n = {p["processes"]: p["copy_ops_s"]["median"] for p in points}
     uby_n = {p["processes"]: p["copy_cores_busy"]["median"] for p in points if "copy_cores_busy" in p}

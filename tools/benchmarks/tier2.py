@@ -1,5 +1,5 @@
 """tier2: pages/s of a prefix hit in the node's own pool, in the second tier (Mooncake Store on loopback), and
-in HiCacheFile, in one run (issue 18).
+in HiCacheFile, in one run.
 
 Two pool files stand for two nodes, each with its own MaruStorage and host pool, and a real mooncake_master
 and storage process on 127.0.0.1. Node A writes every round's 128 pages (128 KiB, Llama-3.1-8B, page_size 1)

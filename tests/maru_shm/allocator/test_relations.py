@@ -57,7 +57,7 @@ def test_chains_with_records_keep_only_usable_pages(open_store):
 
 
 def test_without_records_the_plain_clock_strands_pages(open_store):
-    """The same workload without records: the CLOCK evicts heads under their tails (what #19 is about)."""
+    """The same workload without records: the CLOCK evicts heads under their tails, stranding them."""
     s = open_store("32M")
     live, usable = _churn(s, relations=False)
     assert usable < live

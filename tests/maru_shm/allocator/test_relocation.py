@@ -1,5 +1,5 @@
 """Slab moves that relocate (allocator/relocation.py): a slab leaving its class takes its live values to
-free blocks of the class elsewhere instead of evicting them (FORMAT.md section 8)."""
+free blocks of the class elsewhere instead of evicting them (DESIGN.md section 7)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_slab_move_relocates_what_fits_and_evicts_nothing(open_store):
 
 def test_a_move_frees_stranded_values_and_carries_only_the_others(open_store):
     """A value a doom has stranded can serve no hit: a move frees it instead of copying it, so it cannot land
-    in a window the search for stranded values has already passed (FORMAT.md 6a). The others move as before."""
+    in a window the search for stranded values has already passed (DESIGN.md section 8). The others move as before."""
     s = open_store("16M")
     small, other = _sizes(s)
     _, alive, _ = _full_with_holes(s, small)
