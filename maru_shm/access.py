@@ -1,5 +1,5 @@
 """Who may open a pool: the creation modes, and the owner rule an opener applies to the pool and its lock
-file (FORMAT.md section 12)."""
+file (DESIGN.md section 2)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def is_private(mode: int) -> bool:
 
 
 def check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool, mode: int = 0o600) -> None:
-    """Who may attach (docs/FORMAT.md section 12).
+    """Who may attach (docs/DESIGN.md section 2).
 
     A private opener (mode 0600): only a file it owns that neither its group nor others may write.
     A group opener (0660/0640): the file's owner; or a member of the file's group when the file is in
