@@ -61,8 +61,8 @@ class _LockMeter:
         pc = time.perf_counter_ns
         meter = self
 
-        def trylock(fd, lock_id, n=1):
-            ok = orig_try(fd, lock_id, n)
+        def trylock(fd, lock_id, n=1, **kw):
+            ok = orig_try(fd, lock_id, n, **kw)
             if not ok:
                 meter._busy = True
             return ok
