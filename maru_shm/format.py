@@ -27,7 +27,7 @@ from .records import field_column, field_off, field_size, record, record_struct
 # hand). Every offset, size, struct and column used anywhere is derived from these declarations.
 
 MAGIC = b"MARUSHM\0"
-VERSION = 2
+VERSION = 2  # 2: the locks live in the pool's lock file (section 3); a block's flags hold its length check
 COUNTER_NAMES = (
     "puts", "put_failures", "hits", "misses", "evictions", "evicted_bytes",
     "slab_moves", "lock_timeouts", "repairs", "bytes_written", "bytes_read",
@@ -58,7 +58,8 @@ SUPERBLOCK_LAYOUT = record(
     ("free_floor", "<u4"),       # hint, POOL: no unit below it is FREE: where the search for free units starts
     ("doom_cursor", "<u4"),      # hint, no lock: next doom ring entry to write (section 6a)
     ("heals", "<u8"),            # PROC: processes that attached after losing their previous pool
-    ("reserved_tail", "V3664"),
+    ("lock_boot", "S16"),        # INIT: boot id of the boot in which the lock file was made to name this pool
+    ("reserved_tail", "V3648"),
 )
 SUPERBLOCK_SIZE = SUPERBLOCK_LAYOUT.itemsize
 CHECKSUM_OFF = field_off(SUPERBLOCK_LAYOUT, "checksum")
@@ -72,12 +73,18 @@ DEMAND_ACC_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_acc")
 FREE_FLOOR_OFF = field_off(SUPERBLOCK_LAYOUT, "free_floor")
 DOOM_CURSOR_OFF = field_off(SUPERBLOCK_LAYOUT, "doom_cursor")
 HEALS_OFF = field_off(SUPERBLOCK_LAYOUT, "heals")
+LOCK_BOOT_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_boot")
+POOL_UUID_OFF = field_off(SUPERBLOCK_LAYOUT, "pool_uuid")  # read raw by whoever matches a lock file to its pool
 STATE_READY = 2
 
 FLAG_DEVICE = 1
 FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
 
 # --- locks ---------------------------------------------------------------
+# Every lock is one byte at LOCK_BASE + id of the pool's lock file, which starts with LOCK_FILE_HEAD:
+# LOCK_FILE_MAGIC, then the pool_uuid of the pool it serves (written under INIT by the creator).
+LOCK_FILE_MAGIC = b"MARULOCK"
+LOCK_FILE_HEAD = struct.Struct("<8s16s")
 LOCK_BASE = 1 << 40
 LOCK_IDS = 2048
 LOCK_INIT, LOCK_PROC, LOCK_CLASSTAB, LOCK_POOL = 0, 1, 2, 3
@@ -472,8 +479,8 @@ class Geometry:
         vals = dict(zip(_SB_FIELDS, SUPERBLOCK.unpack_from(raw, 0)))
         if vals["version"] != VERSION:
             raise VersionError(
-                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: "
-                "use a matching maru_shm or recreate the pool")
+                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: use a matching "
+                "maru_shm, or re-create the pool (maru-shm destroy --force PATH, then create it)")
         (stored,) = U32.unpack_from(raw, CHECKSUM_OFF)
         if zlib.crc32(raw[:CHECKSUM_OFF]) != stored:
             raise CorruptPoolError("pool header checksum mismatch: the header is damaged; recreate the pool")

@@ -15,15 +15,13 @@ findings are those of the whole-pool check (`check.check_store`), which repair s
 
 from __future__ import annotations
 
-import fcntl
 import os
-import time
 
 import numpy as np
 
 from .allocator import Allocator
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
-from .errors import LockTimeout, StoreError
+from .errors import StoreError
 from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
                      KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT,
                      PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
@@ -31,7 +29,7 @@ from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS
                      UNIT_TAIL, length_sound)
 from .index import Index
 from .validity import entry_problem
-from .locks import carries_locks, flock_bytes, lock_name
+from .locks import carries_locks, lock_name, ofd_unlock, take_lock
 
 
 class ReadLocks:
@@ -46,29 +44,15 @@ class ReadLocks:
     def lock_fds(self) -> list[int]:
         return [] if self.fd < 0 else [self.fd]
 
-    def _fcntl(self, kind: int, lock_id: int) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_bytes(kind, lock_id))
-
     def acquire(self, lock_id: int) -> bool:
         """Take the lock shared; True if its last holder left its section dirty (died in it)."""
-        deadline = time.monotonic() + self.timeout
-        delay = 20e-6
-        while True:
-            try:
-                self._fcntl(fcntl.F_RDLCK, lock_id)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise LockTimeout(f"check: timed out after {self.timeout:g}s waiting for lock "
-                                      f"{lock_name(lock_id)}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+        take_lock(self.fd, lock_id, self.timeout, f"lock {lock_name(lock_id)} (check)", shared=True)
         if lock_id >= LOCK_IDS:
             return False
         return LOCK_RECORD.unpack_from(self.mm, self.off_records + lock_id * LOCK_RECORD.size)[0] != 0
 
     def release(self, lock_id: int) -> None:
-        self._fcntl(fcntl.F_UNLCK, lock_id)
+        ofd_unlock(self.fd, lock_id)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -76,8 +60,8 @@ class ReadLocks:
 
 
 class NoLocks:
-    """For a caller that holds every lock already (repair), or a DAX pool whose side lock file does not
-    exist (no process attached since boot, so none holds a lock)."""
+    """For a caller that holds every lock already (repair), or a view that cannot see the pool's locks (its
+    user may only read the pool): then the check takes no lock, and says so (`CheckReport.unlocked`)."""
 
     def acquire(self, lock_id: int) -> bool:
         return False
@@ -106,7 +90,8 @@ class _Pool:
         self.index = Index(view.mm, view.geo)
 
     def slot_alive(self, owner_plus1: int) -> bool:
-        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1)
+        """Unknown liveness (a view that cannot see locks) counts as alive: nothing is called reapable."""
+        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1) is not False
 
     def count(self, **counters: int) -> None:
         pass  # a read-only check has no process slot to count in
@@ -145,6 +130,7 @@ def check_live(view, *, timeout: float = 10.0, progress=None) -> CheckReport:
     locks = NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
     try:
         report = check_domains(pool, locks, progress)
+        report.unlocked = view.lock_fd is None
     finally:
         locks.close()
         pool.release_views()

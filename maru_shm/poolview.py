@@ -4,8 +4,9 @@ Used by Store.stats() and by the `maru-shm inspect` / `watch` commands. Every
 function takes either an attached Store or a `PoolView`: a read-only look at a
 pool that never attaches (no process slot, no reaping, no lock taken), opened
 O_RDONLY and mapped PROT_READ, so the kernel itself guarantees it cannot write.
-Process liveness is read with F_OFD_GETLK, which works on a read-only
-descriptor and takes nothing.
+Process liveness is read with F_OFD_GETLK on the pool's lock file, which works on a
+read-only descriptor and takes nothing; a user who may only read the pool cannot
+open the lock file, and sees liveness as unknown (None).
 
 Everything here is a snapshot: writers may move on while it is taken, so
 counts can be off by the few operations in flight, and a lock record may be
@@ -32,11 +33,12 @@ from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNT
                      PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
                      SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
-from .poolfile import dax_size, open_existing, side_lock_path
+from .lockfile import open_for_reading
+from .poolfile import dax_size, open_existing
 from .allocator.relations import Relations
 
 #: Version of the `report()` layout (the `maru-shm inspect --json` object).
-REPORT_SCHEMA = 1
+REPORT_SCHEMA = 2  # 2: a process's `alive` may be None (unknown), and `repair.locks_seen`
 #: A shard is kept at or below this load by eviction (docs/FORMAT.md section 7).
 SHARD_LOAD_LIMIT = 7 / 8
 
@@ -91,14 +93,8 @@ class PoolView:
             is_device = stat.S_ISCHR(st.st_mode)
             if is_device:
                 size = dax_size(path)
-                try:
-                    lock_fd = os.open(side_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    fds.append(lock_fd)
-                except FileNotFoundError:
-                    lock_fd = None  # no process ever attached since boot: nobody holds a lock
             elif stat.S_ISREG(st.st_mode):
                 size = st.st_size
-                lock_fd = fd
             else:
                 raise NotAPoolError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
             head = os.pread(fd, HEADER_READY_END, 0) if size >= HEADER_READY_END else b""
@@ -106,6 +102,9 @@ class PoolView:
             mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
             if Geometry.read(mm, geo.file_size) != geo:
                 raise StoreError(f"{path} changed while it was being opened; retry")
+            lock_fd = open_for_reading(path, is_device, geo.pool_uuid)  # None: liveness unknown
+            if lock_fd is not None:
+                fds.append(lock_fd)
             return cls(mm, geo, path, lock_fd, is_device=is_device, fds=tuple(fds))
         except BaseException:
             if mm is not None:
@@ -124,14 +123,21 @@ class PoolView:
             return True
         return (st.st_ino, st.st_dev) != (self.ino, self.dev)
 
-    def held(self, lock_id: int) -> bool:
-        """Does some process hold this lock right now? (F_OFD_GETLK: takes nothing.)"""
+    @property
+    def sees_locks(self) -> bool:
+        """Can this view tell who holds a lock? Not where its user may not open the pool's lock file (a user
+        who may only read the pool) or the lock file is gone: then liveness is unknown."""
+        return self.lock_fd is not None
+
+    def held(self, lock_id: int) -> bool | None:
+        """Does some process hold this lock right now (F_OFD_GETLK: takes nothing)? None: unknown."""
         if self.lock_fd is None:
-            return False
+            return None
         return ofd_is_held(self.lock_fd, lock_id)
 
-    def slot_alive(self, slot: int) -> bool:
-        return slot == self.self_slot or self.held(SLOT_LOCK_BASE + slot)
+    def slot_alive(self, slot: int) -> bool | None:
+        """Is the process of this slot alive (its SLOT lock held)? None: unknown (`sees_locks`)."""
+        return True if slot == self.self_slot else self.held(SLOT_LOCK_BASE + slot)
 
     def close(self) -> None:
         if self._owns_map and self.mm is not None:
@@ -330,7 +336,7 @@ def _processes(v: PoolView) -> list[dict]:
         if state == 0:
             continue
         counters = dict(zip(COUNTER_NAMES, COUNTERS.unpack_from(v.mm, o + PROC_COUNTERS_OFF)))
-        out.append({"slot": slot, "pid": pid, "uid": uid, "alive": bool(v.slot_alive(slot)),
+        out.append({"slot": slot, "pid": pid, "uid": uid, "alive": v.slot_alive(slot),
                     "self": slot == v.self_slot, "start_ticks": ticks, "started_ns": _started_ns(ticks),
                     "attach_ns": attach_ns, "counters": counters})
     return out
@@ -338,7 +344,8 @@ def _processes(v: PoolView) -> list[dict]:
 
 @_intact
 def processes(src) -> list[dict]:
-    """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held), counters."""
+    """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held; None where
+    the view cannot see locks), counters."""
     return _processes(_as_view(src))
 
 
@@ -518,7 +525,8 @@ def report(src) -> dict:
             "shards": sorted(d["index"] for d in dirty if d["domain"] == "shard"),
             "classes": sorted(d["index"] for d in dirty if d["domain"] == "class"),
             "pool": any(d["domain"] == "pool" for d in dirty),
-            "dead_processes": [p["slot"] for p in procs if not p["alive"]],
+            "dead_processes": [p["slot"] for p in procs if p["alive"] is False],
+            "locks_seen": v.sees_locks,
         },
         "counters": c,
     }

@@ -36,7 +36,7 @@ import zlib
 
 import numpy as np
 
-from maru_shm import LockTimeout, Store, StoreError, chain_relations
+from maru_shm import LockTimeout, Store, StoreError, chain_relations, remove_pool
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT,
                              DOOM_ENTRIES, DOOM_SIZE, ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE, RELATION_SIZE,
                              LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY,
@@ -45,7 +45,7 @@ from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BA
 from maru_shm.index import key_digest
 from maru_shm.poolview import PoolView, report
 
-from ..conftest import check_value, make_value
+from ..conftest import check_value, make_value, write_pool_image
 
 LOCK_TIMEOUT = 0.2
 OP_BOUND = 3.0        # no single operation on a 2 MiB pool may take longer (generous: CI is loaded)
@@ -143,10 +143,7 @@ def template() -> Template:
     if _TEMPLATE is not None:
         return _TEMPLATE
     path = f"/dev/shm/maru-fuzz-template-{os.getpid()}"
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    remove_pool(path)
     try:
         values = {}
         with Store.open(path, POOL_SIZE, create=True, **GEOMETRY) as s:
@@ -176,10 +173,7 @@ def template() -> Template:
         with open(path, "rb") as f:
             image = f.read()
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        remove_pool(path)
     geo = Geometry.read(image, len(image))
     _TEMPLATE = Template(image, geo, values, blocks)
     return _TEMPLATE
@@ -644,11 +638,7 @@ class CaseRunner:
 
     def run(self, img, tainted: set, tag: str) -> dict:
         path = f"/dev/shm/maru-fuzz-{os.getpid()}-{tag}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, img)
-        finally:
-            os.close(fd)
+        write_pool_image(path, img)
         try:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
@@ -658,10 +648,7 @@ class CaseRunner:
             self.stop()
             return {"crash": f"the fuzz helper failed: {e!r}", "bad": [], "errors": []}
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_pool(path)
 
 
 _RUNNER = CaseRunner()

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from maru_shm import (CorruptPoolError, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
+from maru_shm import (CorruptPoolError, remove_pool, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
                       StoreError, TruncatedPoolError, VersionError)
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
                              META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
@@ -338,10 +338,7 @@ def test_racing_creators_make_one_pool(pool_path, children, n):
                 assert s.geo.pool_uuid == results[0][1:]
                 assert s.check().ok
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_pool(path)
 
 
 # ---------------------------------------------------------------- unfinished files
@@ -490,7 +487,7 @@ FORMAT_TABLES = [
         ("reserved_immutable", 168, 84), ("checksum", 252, 4), ("state", 256, 4), ("slab_hand", 260, 4),
         ("classes_version", 264, 4), ("reserved_268", 268, 4), ("retired", 272, 128), ("demand_epoch", 400, 4),
         ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("doom_cursor", 420, 4),
-        ("heals", 424, 8), ("reserved_tail", 432, 3664)]),
+        ("heals", 424, 8), ("lock_boot", 432, 16), ("reserved_tail", 448, 3648)]),
     ("LOCK_LAYOUT", 8, [("dirty", 0, 4), ("op", 4, 4)]),
     ("CLASS_LAYOUT", 64, [
         ("kind", 0, 4), ("slab_units", 4, 4), ("block_size", 8, 8), ("blocks_per_slab", 16, 4),

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import maru_shm
-from maru_shm import Store, copyengine
+from maru_shm import Store, copyengine, remove_pool
 from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
 from ..conftest import make_value, reserve, value_version
@@ -356,7 +356,7 @@ def measure(runs: int, seed: int) -> dict:
         out.update(reserved_after=st["reserved_blocks"], held_after=st["held_blocks"], wrong_reads=len(model.wrong))
         signal.alarm(0)
         s.close()
-        os.unlink(path)
+        remove_pool(path)
     except Hang:
         out["hang"] = f"run {run}, after {out['interrupts']} interrupts"
     return out

@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from maru_shm import format_size
+from maru_shm import format_size, remove_pool
 from maru_shm.format import LIVE, META_REF_OFF
 
 from .registry import figure, progress_of, scenario
@@ -258,8 +258,7 @@ def run_store(trace, sizes, pool_bytes: int, warm: int, path: str, progress=None
             st = s.stats()
             ok = s.check().ok
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
     sp = rep["space"]
     return {"hits": hits, "requests": len(tr) - warm, "hit_bytes": hit_bytes, "put_failures": put_fail,
             "data_bytes": data_bytes, "file_bytes": st["file_bytes"], "live_bytes_mean": float(np.mean(live)),
