@@ -9,9 +9,9 @@ See docs/FORMAT.md for the file format and its crash-safety protocol.
 """
 
 from .allocator.relations import RELATION_DTYPE, chain as chain_relations
-from .admin import check_pool, destroy_pool, is_device, plan_pool, repair_pool
+from .admin import check_pool, destroy_pool, is_device, plan_pool, remove_pool, repair_pool
 from .check import CheckReport
-from .errors import (CorruptPoolError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
+from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
                      PoolDamagedError, PoolInUseError, SizeMismatchError, StoreError, TruncatedPoolError,
                      ValueTooLargeError, VersionError)
 from .format import Geometry
@@ -26,12 +26,12 @@ __all__ = [
     # the store
     "Store", "key_digest", "prefixed_digest", "prefixed_digests", "chain_relations", "RELATION_DTYPE",
     # administration and read-only views (the CLI's way in)
-    "PoolView", "pool_report", "check_pool", "repair_pool", "destroy_pool", "plan_pool", "is_device",
+    "PoolView", "pool_report", "check_pool", "repair_pool", "destroy_pool", "remove_pool", "plan_pool", "is_device",
     "CheckReport", "Geometry",
     # errors
     "StoreError", "NotAPoolError", "VersionError", "CorruptPoolError", "TruncatedPoolError",
     "SizeMismatchError", "PermissionDeniedError", "LockTimeout", "ValueTooLargeError", "PoolClosedError",
-    "PoolDamagedError", "PoolInUseError",
+    "PoolDamagedError", "PoolInUseError", "LockFileError",
     # sizes
     "parse_size", "format_size",
 ]

@@ -1,7 +1,7 @@
 """Administration of a pool as a whole: plan, check, repair, destroy. The CLI's only way in.
 
 Each function takes a path and does one whole job, with the locks and rules it needs, so that no
-client rebuilds a protocol (the magic, the PROC lock, the side lock of a DAX device) out of the
+client rebuilds a protocol (the magic, the PROC lock, the pool's lock file) out of the
 store's internals.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 
 from .check import CheckReport, check_store
 from .errors import NotAPoolError, PoolInUseError, StoreError
-from .format import LOCK_PROC, MAGIC, SUPERBLOCK_SIZE, Geometry
+from .format import LOCK_INIT, LOCK_PROC, MAGIC, POOL_UUID_OFF, SUPERBLOCK_SIZE, Geometry
 from .livecheck import check_live
-from .locks import ofd_trylock, ofd_unlock
-from .poolfile import is_device_path, side_lock_path
+from .lockfile import lock_file_path, missing_error, names_pool, open_lock_file, still_at
+from .locks import take_lock
+from .poolfile import is_device_path
 from .poolview import PoolView, processes
 from .sizes import parse_size
 from .store import Store
@@ -49,39 +49,79 @@ def repair_pool(path: str, *, timeout: float = 10.0, progress=None) -> CheckRepo
 
 
 def destroy_pool(path: str, *, force: bool = False, timeout: float = 10.0) -> list[dict]:
-    """Remove the pool file at `path` (or zero a DAX device's superblock); return the live processes that
-    were attached (only with `force`: without it, PoolInUseError names them and nothing is removed).
+    """Remove the pool file at `path` (or zero a DAX device's superblock) and then its lock file; return the
+    live processes that were attached (only with `force`: without it, PoolInUseError names them and nothing
+    is removed).
 
-    PROC is held while deciding: attaching takes it, so nobody can attach between the look and the
-    removal. A damaged pool whose processes cannot be read is destroyed only with `force`.
+    INIT and PROC are held while deciding: opening takes INIT and attaching PROC, so nobody formats or
+    attaches between the look and the removal. A damaged pool whose processes cannot be read, or one whose
+    lock file is missing or not its own (nobody's liveness can be known), is destroyed only with `force`.
     """
     device = _pool_kind(path)
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    lock_fd = fd
+    lock_fd = None
     try:
-        if os.pread(fd, 8, 0) != MAGIC:
+        head = os.pread(fd, SUPERBLOCK_SIZE, 0)
+        if head[:8] != MAGIC:
             raise NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to destroy it")
+        lock_fd = _own_lock_file(path, device, fd, head, force)
+        if lock_fd is not None:
+            take_lock(lock_fd, LOCK_INIT, timeout, f"another process to initialise {path} (lock INIT)")
+            take_lock(lock_fd, LOCK_PROC, timeout, f"the process-table lock of {path} (lock PROC)")
+        alive = _live_processes(path, force)
+        if alive and not force:
+            who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in alive)
+            raise PoolInUseError(f"refusing to destroy {path}: {len(alive)} live process(es) attached: {who}; "
+                                 "stop them first or use --force", alive)
         if device:
-            lock_fd = os.open(side_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        _take(lock_fd, LOCK_PROC, timeout, path)
-        try:
-            alive = _live_processes(path, force)
-            if alive and not force:
-                who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in alive)
-                raise PoolInUseError(f"refusing to destroy {path}: {len(alive)} live process(es) attached: {who}; "
-                                     "stop them first or use --force", alive)
-            if device:
-                os.pwrite(fd, bytes(SUPERBLOCK_SIZE), 0)
-                os.fsync(fd)
-            else:
-                os.unlink(path)
-            return alive
-        finally:
-            ofd_unlock(lock_fd, LOCK_PROC)
+            os.pwrite(fd, bytes(SUPERBLOCK_SIZE), 0)
+            os.fsync(fd)
+        elif still_at(fd, path):
+            os.unlink(path)
+        else:
+            raise StoreError(f"{path} was replaced while it was being destroyed; nothing removed")
+        # The lock file goes last: a crash in between leaves a lock file without a pool, which the next
+        # creator uses; never a pool without its lock file.
+        lock = lock_file_path(path, device)
+        if lock_fd is None or still_at(lock_fd, lock):
+            try:
+                os.unlink(lock)
+            except FileNotFoundError:
+                pass
+        return alive
     finally:
-        if lock_fd != fd:
-            os.close(lock_fd)
+        if lock_fd is not None:
+            os.close(lock_fd)  # with INIT and PROC
         os.close(fd)
+
+
+def _own_lock_file(path: str, device: bool, fd: int, head: bytes, force: bool) -> int | None:
+    """The pool's lock file, opened through the checked opener under the rule an opener of the pool's own mode
+    applies; None (with `force` only) where it is missing or not the pool's."""
+    try:
+        lock_fd, _ = open_lock_file(path, device, 0o660 if os.fstat(fd).st_mode & 0o020 else 0o600)
+    except StoreError as e:
+        if not force:
+            raise type(e)(f"{e} (destroy --force removes the pool and its lock file)") from None
+        return None
+    if names_pool(lock_fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16]):
+        return lock_fd
+    os.close(lock_fd)
+    if not force:
+        raise missing_error(path, device, "is not the one the pool was made with")
+    return None
+
+
+def remove_pool(path: str) -> None:
+    """Remove a regular pool file and its lock file, whatever they hold and whoever maps them: for a scratch
+    pool its maker throws away (tests, benchmarks). An operator's way is `destroy_pool`."""
+    if is_device_path(path):
+        raise StoreError(f"{path} is a device; destroy_pool zeroes a DAX pool's superblock")
+    for p in (path, lock_file_path(path, False)):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 is_device = is_device_path  # (path) -> is it a DAX character device, whose pool destroy_pool wipes instead of removing
@@ -100,18 +140,10 @@ def _pool_kind(path: str) -> bool:
     return stat.S_ISCHR(st.st_mode)
 
 
-def _take(lock_fd: int, lock_id: int, timeout: float, path: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not ofd_trylock(lock_fd, lock_id):
-        if time.monotonic() > deadline:
-            raise StoreError(f"timed out after {timeout:g}s waiting for the process-table lock of {path}")
-        time.sleep(0.005)
-
-
 def _live_processes(path: str, force: bool) -> list[dict]:
     try:
         with PoolView.open(path) as view:
-            return [p for p in processes(view) if p["alive"]]
+            return [p for p in processes(view) if p["alive"] is not False]  # unknown liveness counts as alive
     except StoreError as e:
         if not force:
             raise type(e)(f"{e} (use --force to destroy a damaged pool)") from None

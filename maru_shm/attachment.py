@@ -13,7 +13,7 @@ import os
 
 from . import faultguard
 from .errors import PoolDamagedError, StoreError
-from .format import STATE_OFF, Geometry
+from .format import HEADER_READY_END, Geometry
 from .index import Index
 from .locks import LockTable
 from .poolfile import PoolFile, regrow_truncated
@@ -36,7 +36,7 @@ class Attachment:
         self.data = ctypes.addressof(self._anchor) + pf.geo.off_data  # address of data offset 0
         # the data area as bytes: a small value is copied by slice assignment, without a ctypes call
         self.data_view = memoryview(pf.mm)[pf.geo.off_data:pf.geo.off_data + pf.geo.data_bytes]
-        self.header = bytes(pf.mm[:STATE_OFF + 4])  # immutable superblock + READY: what check_intact expects
+        self.header = bytes(pf.mm[:HEADER_READY_END])  # immutable superblock + READY: what check_intact expects
         self.damage: StoreError | None = None
         st = os.fstat(pf.fd)
         self.identity = (st.st_dev, st.st_ino)  # the file mapped: what `path` must still name (lost())
@@ -54,7 +54,7 @@ class Attachment:
         """
         if self.damage is not None:
             raise self.damage
-        if self.faults.faults or self.mm[:STATE_OFF + 4] != self.header:
+        if self.faults.faults or self.mm[:HEADER_READY_END] != self.header:
             self.damage = self._diagnose()
             raise self.damage
 

@@ -13,9 +13,8 @@ import threading
 
 import numpy as np
 
-from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, CLASSES_VERSION_OFF, FREE, KIND_UNUSED,
-                     LOCK_CLASSTAB, LOCK_POOL, SHARD_LOCK_BASE, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32,
-                     next_word, store_u64)
+from .format import (CLASSES_VERSION_OFF, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, FREE, KIND_UNUSED, LOCK_CLASSTAB,
+                     LOCK_POOL, META_SIZE, SHARD_LOCK_BASE, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word, store_u64)
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem, planned_class
 from .livecheck import NoLocks, check_domains, check_live
 from .locks import lock_name
@@ -148,7 +147,7 @@ def _repair_all(store, classes) -> int:
     fixes += alloc.repair_pool()
     # granules that are not block starts must be FREE
     starts = block_starts(store)
-    words = np.ndarray((g.n_granules,), dtype="<u8", buffer=store.mm, offset=g.off_blockmeta, strides=(32,))
+    words = np.ndarray((g.n_granules,), dtype="<u8", buffer=store.mm, offset=g.off_blockmeta, strides=(META_SIZE,))
     try:
         bad = np.flatnonzero(((words & np.uint64(3)) != 0) & ~starts)
         for gi in bad.tolist():

@@ -23,6 +23,9 @@ class CheckReport:
     checked_blocks: int = 0
     checked_entries: int = 0
     to_reap: list = dataclasses.field(default_factory=list)
+    # checked without locks, by a user who may not reach the pool's lock file: what writers were changing
+    # meanwhile may read as problems, and no process's liveness is known
+    unlocked: bool = False
 
     def problem(self, msg: str) -> None:
         self.ok = False

@@ -8,7 +8,9 @@ The rules (FORMAT.md section 8 relies on the first two):
 - The engine copies exactly the pieces it is given, nothing else. Callers bounds-check every piece
   against the block it belongs to before calling; the engine never reads the pool's metadata.
 - `run` returns only after every piece is copied: no worker touches a piece after it returns, so the
-  caller's commit (put) or word re-check (get) follows the whole copy.
+  caller's commit (put) or word re-check (get) follows the whole copy. The same holds when it raises:
+  an exception in the caller (Ctrl-C) is held until every worker that joined the batch has finished,
+  since the caller gives the batch's blocks back next.
 - Workers are used only on cores other processes leave idle (idlecores.py decides; the engine copies).
   Every thread, the caller's included, takes the next piece from one shared iterator, so a worker that
   is not running takes nothing and the caller copies what is left. A batch in which the workers helped
@@ -84,17 +86,44 @@ def merge_runs(dst: np.ndarray, src: np.ndarray, nb: np.ndarray):
 
 
 class _Job:
-    """One batch shared with the workers: the iterator they take pieces from and who joined it."""
+    """One batch shared with the workers: the iterator they take pieces from and who joined it.
 
-    __slots__ = ("pieces", "lock", "closed", "joined", "done", "helped")
+    The caller never holds a lock of the job's: a lock it holds is one more thing an exception (Ctrl-C)
+    between two lines could leave held, and a worker would wait on it forever. Joining and finishing are
+    list appends, atomic under the GIL, and a worker joins before it reads `closed`: once the caller has
+    set `closed`, every worker that may still copy is in `joined`.
+    """
+
+    __slots__ = ("pieces", "closed", "joined", "finished", "bell")
 
     def __init__(self, pieces):
         self.pieces = pieces
-        self.lock = threading.Lock()
         self.closed = False  # set by the caller once the iterator is empty: a late worker stays out
-        self.joined = 0
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
-        self.helped = 0  # pieces the workers copied (the busy detector)
+        self.joined: list[int] = []  # one entry per worker that joined
+        self.finished: list[int] = []  # pieces copied, one entry per worker that joined and is done
+        self.bell: queue.SimpleQueue = queue.SimpleQueue()  # rung by each worker that is done
+
+    def in_flight(self) -> int:
+        return len(self.joined) - len(self.finished)
+
+    def close_and_wait(self) -> None:
+        """Keep late workers out and wait for every worker that joined: the pieces they copy lie in blocks
+        the caller commits or gives back next. An exception raised meanwhile is held until then; the
+        counts live in the job, so a wait cut short is simply redone."""
+        held = None
+        while True:
+            try:
+                self.closed = True
+                while len(self.finished) < len(self.joined):
+                    try:
+                        self.bell.get(timeout=0.05)
+                    except queue.Empty:
+                        pass
+                break
+            except BaseException as e:
+                held = e
+        if held is not None:
+            raise held
 
 
 def _copy_all(jobs) -> int:
@@ -114,15 +143,16 @@ def _worker(inbox: queue.SimpleQueue) -> None:
         job = inbox.get()
         if job is None:
             return
-        with job.lock:
-            if job.closed:
-                continue
-            job.joined += 1
+        job.joined.append(1)
+        if job.closed:
+            job.finished.append(0)
+            continue
         n = 0
         try:
             n = _copy_all(job.pieces)
         finally:
-            job.done.put(n)
+            job.finished.append(n)
+            job.bell.put(None)
 
 
 class CopyEngine:
@@ -136,6 +166,7 @@ class CopyEngine:
         self._busy = 0  # batches left to run alone
         self._idle_workers = 0  # threaded batches in a row in which the workers barely helped
         self._use = threading.Lock()  # held by the batch that uses the workers
+        self._job: _Job | None = None  # the last batch given to the workers
         self.cores = IdleCores()
         self.batches_threaded = 0
         self.batches_alone = 0
@@ -163,29 +194,38 @@ class CopyEngine:
         elif self.threads > 1 and (len(jobs) > 1 or total > CUT):
             if total >= max(MIN_THREADED_BYTES, MIN_THREADED_PIECE * len(jobs)):
                 helpers = min(self.threads, self.cores.free()) - 1
-        if helpers < 1 or not self._use.acquire(blocking=False):
-            if self.threads > 1:
-                self.batches_alone += 1
-            _copy_all(jobs)
-            return
+        # The workers' lock and its record change on one line each, and the release is the try's last
+        # line, not a `finally`: an exception landing between two lines finds them in step.
+        using = False
         try:
-            part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
-            self._threaded(iter(split(jobs, part)), helpers)
-        finally:
-            self._use.release()
+            using = helpers >= 1 and self._use.acquire(blocking=False)
+            if using:
+                part = min(CUT, max(MIN_THREADED_PIECE, total // (4 * (helpers + 1))))
+                self._threaded(iter(split(jobs, part)), helpers)
+                using = self._use.release()
+                return
+        except BaseException:
+            if using:
+                self._use.release()
+            raise
+        if self.threads > 1:
+            self.batches_alone += 1
+        _copy_all(jobs)
 
     def _threaded(self, pieces, helpers: int) -> None:
-        job = _Job(pieces)
+        job = self._job = _Job(pieces)
         started = self._pid != os.getpid()
-        for inbox in self._workers()[:helpers]:
-            inbox.put(job)
+        # The wait is the try's last line, not a `finally`: an exception landing on the line that would
+        # start it (between two bytecodes) is inside the try, so the handler waits instead.
         try:
+            for inbox in self._workers()[:helpers]:
+                inbox.put(job)
             mine = _copy_all(pieces)
-        finally:
-            with job.lock:
-                job.closed = True
-                joined = job.joined
-            helped = sum(job.done.get() for _ in range(joined))  # every worker that joined has finished
+            job.close_and_wait()
+        except BaseException:
+            job.close_and_wait()
+            raise
+        helped = sum(job.finished)
         self.batches_threaded += 1
         if started:
             return  # threads just started may miss their first batch: no verdict
@@ -195,6 +235,11 @@ class CopyEngine:
             self._idle_workers += 1
             if self._idle_workers >= 2:
                 self._busy, self._idle_workers = BACKOFF, 0
+
+    def in_flight(self) -> int:
+        """Workers still copying pieces of the last threaded batch: 0 whenever `run` has returned or raised."""
+        job = self._job
+        return 0 if job is None else job.in_flight()
 
     def _workers(self) -> list[queue.SimpleQueue]:
         """The worker inboxes, started on first use and again in a forked child (threads do not survive fork)."""

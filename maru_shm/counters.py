@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from .format import COUNTER_NAMES, COUNTERS, N_COUNTERS, U64
+from .format import COUNTERS, COUNTER_NAMES, COUNTER_SIZE, N_COUNTERS, U64
 
 _POSITION = {name: i for i, name in enumerate(COUNTER_NAMES)}
 _HITS, _MISSES, _BYTES_READ = _POSITION["hits"], _POSITION["misses"], _POSITION["bytes_read"]
@@ -49,14 +49,14 @@ class Counters:
         if length is None:
             values[_MISSES] += 1
             if at >= 0:
-                U64.pack_into(self._procs.att.mm, at + 8 * _MISSES, values[_MISSES] & _U64_MASK)
+                U64.pack_into(self._procs.att.mm, at + COUNTER_SIZE * _MISSES, values[_MISSES] & _U64_MASK)
         else:
             values[_HITS] += 1
             values[_BYTES_READ] += length
             if at >= 0:
                 mm = self._procs.att.mm
-                U64.pack_into(mm, at + 8 * _HITS, values[_HITS] & _U64_MASK)
-                U64.pack_into(mm, at + 8 * _BYTES_READ, values[_BYTES_READ] & _U64_MASK)
+                U64.pack_into(mm, at + COUNTER_SIZE * _HITS, values[_HITS] & _U64_MASK)
+                U64.pack_into(mm, at + COUNTER_SIZE * _BYTES_READ, values[_BYTES_READ] & _U64_MASK)
 
     def flush(self) -> None:
         """Publish the counters into our process slot, if we have one (every call of the store does; stats()

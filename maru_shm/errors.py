@@ -33,6 +33,11 @@ class PermissionDeniedError(StoreError):
     """The pool is owned by another user, is a symlink, or cannot be opened."""
 
 
+class LockFileError(StoreError):
+    """The pool's lock file is missing, or is not the one its pool's processes lock (FORMAT.md section 3):
+    an opener on another lock file would not exclude them."""
+
+
 class LockTimeout(StoreError):
     """A lock could not be taken within the configured timeout."""
 

@@ -18,71 +18,142 @@ import numpy as np
 
 from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 from .errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
+from .records import field_column, field_off, field_size, record, record_struct
+
+
+# --- records -------------------------------------------------------------
+# Each mapped record is declared once, below, as a numpy structured dtype listing every field in file
+# order, reserved bytes included (records.py: the offsets follow from the sizes, no field is placed by
+# hand). Every offset, size, struct and column used anywhere is derived from these declarations.
 
 MAGIC = b"MARUSHM\0"
-VERSION = 1
-SUPERBLOCK_SIZE = 4096
-CHECKSUM_OFF = 252
-STATE_OFF = 256
-SLAB_HAND_OFF = 260
-CLASSES_VERSION_OFF = 264
-RETIRED_OFF = 272
-DEMAND_EPOCH_OFF = 400  # u32: demand epoch (hint, no lock): class demand counters halve once per epoch
-DEMAND_ACC_OFF = 408    # u64: bytes allocated since the epoch began (hint, no lock)
-FREE_FLOOR_OFF = 416    # u32: no unit below it is FREE (hint, POOL lock): where the search for free units starts
-DOOM_CURSOR_OFF = 420   # u32: next doom ring entry to write (hint, no lock; section 6a)
-HEALS_OFF = 424         # u64: processes that attached after losing their previous pool (PROC lock)
-STATE_READY = 2
-
-FLAG_DEVICE = 1
-FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
-
-# --- locks ---------------------------------------------------------------
-LOCK_BASE = 1 << 40
-LOCK_IDS = 2048
-LOCK_INIT, LOCK_PROC, LOCK_CLASSTAB, LOCK_POOL = 0, 1, 2, 3
-CLASS_LOCK_BASE = 16
-SHARD_LOCK_BASE = 512
-SLOT_LOCK_BASE = 2048
-LOCK_RECORD = struct.Struct("<II")  # dirty, op
-
-# --- class table ---------------------------------------------------------
-CLASS_CAP = 256
-CLASS_ENTRY = 64
-CLASS_STRUCT = struct.Struct("<IIQIIIIQ")  # kind k block_size bps partial_head nslabs used declared_ns
-CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = 0, 4, 8, 16
-CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = 20, 24, 28, 32
-CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = 40, 48, 56  # block CLOCK hand u64, decayed demand u64, its epoch u32
-CLS_RELATED = 60  # u32: nonzero once a value with a relation record may have been written into the class
-KIND_UNUSED, KIND_EXACT = 0, 2
-KIND_GEOMETRIC = KIND_GEOMETRIC  # defined with the size classes (sizeclasses.py), a kind like the others
-
-# --- process table -------------------------------------------------------
-PROC_ENTRY = 128
-PROC_HEAD = struct.Struct("<IIQQI")  # state pid start_ticks attach_ns uid
-PROC_COUNTERS_OFF = 32
+VERSION = 2  # 2: the locks live in the pool's lock file (section 3); a block's flags hold its length check
 COUNTER_NAMES = (
     "puts", "put_failures", "hits", "misses", "evictions", "evicted_bytes",
     "slab_moves", "lock_timeouts", "repairs", "bytes_written", "bytes_read",
     "orphans_freed",
 )
 N_COUNTERS = len(COUNTER_NAMES)
-COUNTERS = struct.Struct("<%dQ" % N_COUNTERS)
+RETIRED_SLOTS = 16  # retired counters in the superblock (N_COUNTERS used, the rest zero)
+
+SUPERBLOCK_LAYOUT = record(
+    4096,
+    # immutable, covered by the checksum
+    ("magic", "S8"), ("version", "<u4"), ("flags", "<u4"), ("file_size", "<u8"), ("granule", "<u4"),
+    ("unit_size", "<u4"), ("n_units", "<u4"), ("n_geo_classes", "<u4"), ("class_cap", "<u4"),
+    ("proc_slots", "<u4"), ("index_shards", "<u4"), ("shard_slots", "<u4"), ("max_value", "<u8"),
+    ("n_granules", "<u8"), ("off_locks", "<u8"), ("off_classes", "<u8"), ("off_procs", "<u8"),
+    ("off_slabs", "<u8"), ("off_shards", "<u8"), ("off_index", "<u8"), ("off_blockmeta", "<u8"),
+    ("off_data", "<u8"), ("data_bytes", "<u8"), ("created_ns", "<u8"), ("pool_uuid", "S16"),
+    ("reserved_immutable", "V84"), ("checksum", "<u4"),
+    # mutable
+    ("state", "<u4"),
+    ("slab_hand", "<u4"),        # hint, no lock: where the slab CLOCK resumes
+    ("classes_version", "<u4"),  # CLASSTAB: bumped when an exact-fit class is declared
+    ("reserved_268", "V4"),
+    ("retired", "<u8", (RETIRED_SLOTS,)),  # PROC: counters of processes that detached or were reaped
+    ("demand_epoch", "<u4"),     # hint, no lock: class demand counters halve once per epoch
+    ("reserved_404", "V4"),
+    ("demand_acc", "<u8"),       # hint, no lock: bytes allocated since the epoch began
+    ("free_floor", "<u4"),       # hint, POOL: no unit below it is FREE: where the search for free units starts
+    ("doom_cursor", "<u4"),      # hint, no lock: next doom ring entry to write (section 6a)
+    ("heals", "<u8"),            # PROC: processes that attached after losing their previous pool
+    ("lock_boot", "S16"),        # INIT: boot id of the boot in which the lock file was made to name this pool
+    ("reserved_tail", "V3648"),
+)
+SUPERBLOCK_SIZE = SUPERBLOCK_LAYOUT.itemsize
+CHECKSUM_OFF = field_off(SUPERBLOCK_LAYOUT, "checksum")
+STATE_OFF = field_off(SUPERBLOCK_LAYOUT, "state")
+HEADER_READY_END = STATE_OFF + field_size(SUPERBLOCK_LAYOUT, "state")  # the immutable part and the state word
+SLAB_HAND_OFF = field_off(SUPERBLOCK_LAYOUT, "slab_hand")
+CLASSES_VERSION_OFF = field_off(SUPERBLOCK_LAYOUT, "classes_version")
+RETIRED_OFF = field_off(SUPERBLOCK_LAYOUT, "retired")
+DEMAND_EPOCH_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_epoch")
+DEMAND_ACC_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_acc")
+FREE_FLOOR_OFF = field_off(SUPERBLOCK_LAYOUT, "free_floor")
+DOOM_CURSOR_OFF = field_off(SUPERBLOCK_LAYOUT, "doom_cursor")
+HEALS_OFF = field_off(SUPERBLOCK_LAYOUT, "heals")
+LOCK_BOOT_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_boot")
+POOL_UUID_OFF = field_off(SUPERBLOCK_LAYOUT, "pool_uuid")  # read raw by whoever matches a lock file to its pool
+STATE_READY = 2
+
+FLAG_DEVICE = 1
+FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
+
+# --- locks ---------------------------------------------------------------
+# Every lock is one byte at LOCK_BASE + id of the pool's lock file, which starts with LOCK_FILE_HEAD:
+# LOCK_FILE_MAGIC, then the pool_uuid of the pool it serves (written under INIT by the creator).
+LOCK_FILE_MAGIC = b"MARULOCK"
+LOCK_FILE_HEAD = struct.Struct("<8s16s")
+LOCK_BASE = 1 << 40
+LOCK_IDS = 2048
+LOCK_INIT, LOCK_PROC, LOCK_CLASSTAB, LOCK_POOL = 0, 1, 2, 3
+CLASS_LOCK_BASE = 16
+SHARD_LOCK_BASE = 512
+SLOT_LOCK_BASE = 2048
+LOCK_LAYOUT = record(8, ("dirty", "<u4"), ("op", "<u4"))
+LOCK_RECORD = record_struct(LOCK_LAYOUT, "dirty", "op")
+LOCK_COL_DIRTY = field_column(LOCK_LAYOUT, "dirty", 4)  # in a view of the records as u32 rows
+LOCK_COL_OP = field_column(LOCK_LAYOUT, "op", 4)
+
+# --- class table ---------------------------------------------------------
+CLASS_CAP = 256
+CLASS_LAYOUT = record(
+    64, ("kind", "<u4"), ("slab_units", "<u4"), ("block_size", "<u8"), ("blocks_per_slab", "<u4"),
+    ("partial_head", "<u4"), ("nslabs", "<u4"), ("used_blocks", "<u4"), ("declared_ns", "<u8"),
+    ("hand", "<u8"),          # block CLOCK hand
+    ("demand", "<u8"),        # decayed demand
+    ("demand_epoch", "<u4"),  # the epoch of `demand`
+    ("related", "<u4"),       # nonzero once a value with a relation record may have been written into the class
+)
+CLASS_ENTRY = CLASS_LAYOUT.itemsize
+CLASS_STRUCT = record_struct(CLASS_LAYOUT, "kind", "declared_ns")
+CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = (field_off(CLASS_LAYOUT, f)
+                                       for f in ("kind", "slab_units", "block_size", "blocks_per_slab"))
+CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = (field_off(CLASS_LAYOUT, f)
+                                                   for f in ("partial_head", "nslabs", "used_blocks", "declared_ns"))
+CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = (field_off(CLASS_LAYOUT, f) for f in ("hand", "demand", "demand_epoch"))
+CLS_RELATED = field_off(CLASS_LAYOUT, "related")
+KIND_UNUSED, KIND_EXACT = 0, 2
+KIND_GEOMETRIC = KIND_GEOMETRIC  # defined with the size classes (sizeclasses.py), a kind like the others
+
+# --- process table -------------------------------------------------------
+PROC_LAYOUT = record(
+    128, ("state", "<u4"), ("pid", "<u4"), ("start_ticks", "<u8"), ("attach_ns", "<u8"), ("uid", "<u4"),
+    ("reserved_28", "V4"), ("counters", "<u8", (N_COUNTERS,)),
+)
+PROC_ENTRY = PROC_LAYOUT.itemsize
+PROC_HEAD = record_struct(PROC_LAYOUT, "state", "uid")
+PROC_COUNTERS_OFF = field_off(PROC_LAYOUT, "counters")
+COUNTERS = record_struct(PROC_LAYOUT, "counters", "counters")
+COUNTER_SIZE = COUNTERS.size // N_COUNTERS
 
 # --- slab table ----------------------------------------------------------
-SLAB_ENTRY = 64
-SLAB_HEAD = struct.Struct("<IIIIII")  # state cls next prev nfree nblocks
-SLAB_STATE, SLAB_CLS, SLAB_NEXT, SLAB_PREV, SLAB_NFREE, SLAB_NBLOCKS = 0, 4, 8, 12, 16, 20
-SLAB_REF, SLAB_INPARTIAL, SLAB_BITMAP = 24, 25, 32
-BITMAP_BYTES = MAX_BLOCKS_PER_SLAB // 8
+SLAB_LAYOUT = record(
+    64, ("state", "<u4"), ("cls", "<u4"), ("next", "<u4"), ("prev", "<u4"), ("nfree", "<u4"), ("nblocks", "<u4"),
+    ("ref", "u1"), ("in_partial", "u1"), ("reserved_26", "V6"), ("bitmap", "V%d" % (MAX_BLOCKS_PER_SLAB // 8)),
+)
+SLAB_ENTRY = SLAB_LAYOUT.itemsize
+SLAB_HEAD = record_struct(SLAB_LAYOUT, "state", "nblocks")
+SLAB_STATE, SLAB_CLS, SLAB_NEXT, SLAB_PREV, SLAB_NFREE, SLAB_NBLOCKS = (
+    field_off(SLAB_LAYOUT, f) for f in ("state", "cls", "next", "prev", "nfree", "nblocks"))
+SLAB_REF, SLAB_INPARTIAL, SLAB_BITMAP = (field_off(SLAB_LAYOUT, f) for f in ("ref", "in_partial", "bitmap"))
+BITMAP_BYTES = field_size(SLAB_LAYOUT, "bitmap")
 UNIT_FREE, UNIT_HEAD, UNIT_TAIL = 0, 1, 2
 
 # --- index ---------------------------------------------------------------
-SHARD_HEADER = 16
-SHARD_STRUCT = struct.Struct("<II")  # count hand
-ENTRY_SIZE = 32
-ENTRY_STRUCT = struct.Struct("<16sQQ")  # digest word offset
-ENTRY_WORD_OFF, ENTRY_OFFSET_OFF = 16, 24
+SHARD_LAYOUT = record(16, ("count", "<u4"), ("hand", "<u4"), ("reserved_8", "V8"))
+SHARD_HEADER = SHARD_LAYOUT.itemsize
+SHARD_STRUCT = record_struct(SHARD_LAYOUT, "count", "hand")
+SHARD_COUNT_OFF = field_off(SHARD_LAYOUT, "count")
+ENTRY_LAYOUT = record(32, ("digest", "S16"), ("word", "<u8"), ("offset", "<u8"))
+ENTRY_SIZE = ENTRY_LAYOUT.itemsize
+ENTRY_STRUCT = record_struct(ENTRY_LAYOUT, "digest", "offset")
+ENTRY_WORD_OFF, ENTRY_OFFSET_OFF = field_off(ENTRY_LAYOUT, "word"), field_off(ENTRY_LAYOUT, "offset")
+# the index as rows of u64 (numpy batch passes): columns of the digest halves, the word and the offset
+ENTRY_COL_DIGEST, ENTRY_COL_WORD, ENTRY_COL_OFFSET = (field_column(ENTRY_LAYOUT, f, 8)
+                                                      for f in ("digest", "word", "offset"))
+ENTRY_COLS = ENTRY_SIZE // 8
 
 
 def shard_limit(shard_slots: int) -> int:
@@ -114,11 +185,46 @@ def granule_for(value_size: int | None) -> int:
     return max(MIN_GRANULE, 1 << (max(1, value_size).bit_length() - 1))
 
 # --- block meta ----------------------------------------------------------
-META_SIZE = 32
-META_STRUCT = struct.Struct("<Q16sIHB")  # word digest length owner ref
-META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF = 8, 24, 28, 30, 31
-FLAG_PINNED = 1  # meta flags: eviction and slab moves leave this lifetime alone (Store.pin)
+META_LAYOUT = record(32, ("word", "<u8"), ("digest", "S16"), ("length", "<u4"), ("owner", "<u2"), ("ref", "u1"),
+                      ("flags", "u1"))
+META_SIZE = META_LAYOUT.itemsize
+META_STRUCT = record_struct(META_LAYOUT, "word", "flags")
+META_DIGEST_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF = (
+    field_off(META_LAYOUT, f) for f in ("digest", "length", "owner", "ref", "flags"))
+# Block metas as rows of u64 (numpy batch passes): the word, the digest halves, and the tail (length, owner,
+# ref and flags: the last u64), each field of the tail at its bit shift in it.
+META_COL_WORD, META_COL_DIGEST = field_column(META_LAYOUT, "word", 8), field_column(META_LAYOUT, "digest", 8)
+META_COL_TAIL = META_LENGTH_OFF // 8
+META_COLS = META_SIZE // 8
+assert META_LENGTH_OFF % 8 == 0 and META_FLAGS_OFF + 1 == META_SIZE == (META_COL_TAIL + 1) * 8
+META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT, META_TAIL_FLAGS_SHIFT = (
+    (off - META_LENGTH_OFF) * 8 for off in (META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF))
+META_TAIL_LENGTH_MASK = (1 << 8 * field_size(META_LAYOUT, "length")) - 1
+FLAG_PINNED = 1  # meta flags bit 0: eviction and slab moves leave this lifetime alone (Store.pin)
 FREE, RESERVED, LIVE = 0, 1, 2
+
+# Meta flags bits 1-7 hold the length check, 3 x length mod 125: any one or two flipped bits of the
+# 39 (length and check) make the pair disagree, and every reader and check takes the block as damage.
+# Two bits of the length change it by +-2^i +-2^j, never a multiple of 125 for i, j < 32 (2 has order
+# 100 mod 125, and -1 = 2^50); a bit of each matches only if 3 = +-2^(j-i) mod 125 for a check bit
+# j < 7, and 3 = 2^7, -3 = 2^57; a changed check alone differs from the unchanged one it must equal.
+LENGTH_CHECK_MUL, LENGTH_CHECK_MOD, LENGTH_CHECK_SHIFT = 3, 125, 1
+LENGTH_CHECK_BITS = 0x7F << LENGTH_CHECK_SHIFT  # the flags bits that hold it
+
+
+def length_check(length):
+    """The check of a length (an int, or a numpy u64 array of them): flags >> LENGTH_CHECK_SHIFT holds it."""
+    return length * LENGTH_CHECK_MUL % LENGTH_CHECK_MOD
+
+
+def length_flags(length):
+    """The flags byte of a new lifetime holding `length` bytes (not pinned): its length check."""
+    return length_check(length) << LENGTH_CHECK_SHIFT
+
+
+def length_sound(length: int, flags: int) -> bool:
+    """Does a meta's length agree with the check in its flags byte?"""
+    return flags >> LENGTH_CHECK_SHIFT == length_check(length)
 
 # --- relation records and the doom ring (section 6a) -----------------------
 RELATION_SIZE = 16  # group u32, parent u32, depth u16 (bit 15: trailing), branch u16, tag u16, born u16
@@ -151,15 +257,8 @@ def store_u64(buf, off: int, value: int) -> None:
     """
     buf[off:off + 8] = value.to_bytes(8, "little")
 
-SUPERBLOCK = struct.Struct("<8sIIQIIIIIIIIQQQQQQQQQQQQ16s")
-_SB_FIELDS = (
-    "magic", "version", "flags", "file_size", "granule", "unit_size", "n_units",
-    "n_geo_classes", "class_cap", "proc_slots", "index_shards", "shard_slots",
-    "max_value", "n_granules", "off_locks", "off_classes", "off_procs", "off_slabs",
-    "off_shards", "off_index", "off_blockmeta", "off_data", "data_bytes", "created_ns",
-    "pool_uuid",
-)
-assert SUPERBLOCK.size <= CHECKSUM_OFF
+SUPERBLOCK = record_struct(SUPERBLOCK_LAYOUT, "magic", "pool_uuid")
+_SB_FIELDS = SUPERBLOCK_LAYOUT.names[:SUPERBLOCK_LAYOUT.names.index("pool_uuid") + 1]
 
 
 def _align(n: int, a: int) -> int:
@@ -364,7 +463,7 @@ class Geometry:
 
     # -- superblock -------------------------------------------------------
     def pack_superblock(self) -> bytes:
-        """Immutable part of the superblock, checksum included (252 + 4 bytes)."""
+        """Immutable part of the superblock, checksum included."""
         values = [MAGIC, VERSION] + [getattr(self, f) for f in _SB_FIELDS[2:]]
         body = SUPERBLOCK.pack(*values).ljust(CHECKSUM_OFF, b"\0")
         return body + U32.pack(zlib.crc32(body))
@@ -374,14 +473,14 @@ class Geometry:
         """Parse and validate the superblock in `buf`; raise a StoreError subclass if wrong."""
         if actual_size < SUPERBLOCK_SIZE:
             raise NotAPoolError(f"file is {actual_size} bytes, smaller than a pool header; not a maru-shm pool")
-        raw = bytes(buf[:STATE_OFF + 4])
+        raw = bytes(buf[:HEADER_READY_END])
         if raw[:8] != MAGIC:
             raise NotAPoolError("not a maru-shm pool (wrong magic); refusing to touch it")
         vals = dict(zip(_SB_FIELDS, SUPERBLOCK.unpack_from(raw, 0)))
         if vals["version"] != VERSION:
             raise VersionError(
-                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: "
-                "use a matching maru_shm or recreate the pool")
+                f"pool format version {vals['version']}, this maru_shm reads version {VERSION}: use a matching "
+                "maru_shm, or re-create the pool (maru-shm destroy --force PATH, then create it)")
         (stored,) = U32.unpack_from(raw, CHECKSUM_OFF)
         if zlib.crc32(raw[:CHECKSUM_OFF]) != stored:
             raise CorruptPoolError("pool header checksum mismatch: the header is damaged; recreate the pool")

@@ -15,22 +15,21 @@ findings are those of the whole-pool check (`check.check_store`), which repair s
 
 from __future__ import annotations
 
-import fcntl
 import os
-import time
 
 import numpy as np
 
 from .allocator import Allocator
 from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
-from .errors import LockTimeout, StoreError
-from .format import (CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF, KIND_UNUSED, LIVE,
-                     LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT, PROC_ENTRY, PROC_HEAD,
-                     RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE,
-                     SLAB_PREV, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, U32)
+from .errors import StoreError
+from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
+                     KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT,
+                     PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
+                     SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, U32, UNIT_FREE, UNIT_HEAD,
+                     UNIT_TAIL, length_sound)
 from .index import Index
 from .validity import entry_problem
-from .locks import carries_locks, flock_bytes, lock_name
+from .locks import carries_locks, lock_name, ofd_unlock, take_lock
 
 
 class ReadLocks:
@@ -45,29 +44,15 @@ class ReadLocks:
     def lock_fds(self) -> list[int]:
         return [] if self.fd < 0 else [self.fd]
 
-    def _fcntl(self, kind: int, lock_id: int) -> None:
-        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, flock_bytes(kind, lock_id))
-
     def acquire(self, lock_id: int) -> bool:
         """Take the lock shared; True if its last holder left its section dirty (died in it)."""
-        deadline = time.monotonic() + self.timeout
-        delay = 20e-6
-        while True:
-            try:
-                self._fcntl(fcntl.F_RDLCK, lock_id)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise LockTimeout(f"check: timed out after {self.timeout:g}s waiting for lock "
-                                      f"{lock_name(lock_id)}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+        take_lock(self.fd, lock_id, self.timeout, f"lock {lock_name(lock_id)} (check)", shared=True)
         if lock_id >= LOCK_IDS:
             return False
         return LOCK_RECORD.unpack_from(self.mm, self.off_records + lock_id * LOCK_RECORD.size)[0] != 0
 
     def release(self, lock_id: int) -> None:
-        self._fcntl(fcntl.F_UNLCK, lock_id)
+        ofd_unlock(self.fd, lock_id)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -75,8 +60,8 @@ class ReadLocks:
 
 
 class NoLocks:
-    """For a caller that holds every lock already (repair), or a DAX pool whose side lock file does not
-    exist (no process attached since boot, so none holds a lock)."""
+    """For a caller that holds every lock already (repair), or a view that cannot see the pool's locks (its
+    user may only read the pool): then the check takes no lock, and says so (`CheckReport.unlocked`)."""
 
     def acquire(self, lock_id: int) -> bool:
         return False
@@ -105,7 +90,8 @@ class _Pool:
         self.index = Index(view.mm, view.geo)
 
     def slot_alive(self, owner_plus1: int) -> bool:
-        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1)
+        """Unknown liveness (a view that cannot see locks) counts as alive: nothing is called reapable."""
+        return 0 < owner_plus1 <= self.geo.proc_slots and self.view.slot_alive(owner_plus1 - 1) is not False
 
     def count(self, **counters: int) -> None:
         pass  # a read-only check has no process slot to count in
@@ -144,6 +130,7 @@ def check_live(view, *, timeout: float = 10.0, progress=None) -> CheckReport:
     locks = NoLocks() if view.lock_fd is None else ReadLocks(view.lock_fd, view.mm, view.geo.off_locks, timeout)
     try:
         report = check_domains(pool, locks, progress)
+        report.unlocked = view.lock_fd is None
     finally:
         locks.close()
         pool.release_views()
@@ -207,7 +194,7 @@ def _check_units(pool, report) -> None:
             continue
         covered[h:h + info.k] = h
         for t in range(h + 1, h + info.k):
-            st, head = U32.unpack_from(mm, alloc.geo.slab_entry(t))[0], U32.unpack_from(mm, alloc.geo.slab_entry(t) + 4)[0]
+            st, head = SLAB_HEAD.unpack_from(mm, alloc.geo.slab_entry(t))[:2]  # state, and the head of a TAIL
             if st != UNIT_TAIL or head != h:
                 report.problem(f"unit {t}: should be a tail of slab {h}")
     for t in np.flatnonzero((alloc.states == UNIT_TAIL) & (covered < 0)).tolist():
@@ -267,11 +254,11 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     """One slab of a held class: bitmap against metas, free count, partial flag; returns blocks in use."""
     g, alloc, mm = pool.geo, pool.alloc, pool.mm
     s = alloc.geo.slab_entry(h)
-    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + 32])
+    bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + BITMAP_BYTES])
     used = 0
     for i in range(info.bps):
         off = h * g.unit_size + i * info.block
-        word, d, length, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+        word, d, length, owner, _, flags = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
         state = word & 3
         bit = bool(bm[i >> 3] & (1 << (i & 7)))
         report.checked_blocks += 1
@@ -283,7 +270,9 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
         if state == FREE:
             continue
         used += 1
-        if length > info.block:
+        if not length_sound(length, flags):
+            report.problem(f"block at data offset {off}: length {length} disagrees with its check")
+        elif length > info.block:
             report.problem(f"block at data offset {off}: length {length} exceeds block size {info.block}")
         if owner and not pool.slot_alive(owner):  # the reaper frees it if unpublished, else disowns it
             report.reapable(f"block at data offset {off}: owned by exited process slot {owner - 1}")
@@ -369,7 +358,7 @@ def _report_orphans(pool, locks, report, candidates, named) -> None:
             continue
         s = idx.shard_of(d)
         with _Domain(locks, SHARD_LOCK_BASE + s, CheckReport()):
-            mword, md, _, owner, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
+            mword, md, _, owner, _, _ = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
             if mword != word or md != d or owner or idx.find(d) == (word, off):
                 continue
         report.problem(f"block at data offset {off}: live but not indexed and owned by no live process (orphan)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import struct
 import threading
@@ -28,16 +29,16 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .errors import LockTimeout
-from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
-                     LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from .lockwait import acquire as wait_acquire, wait_for
+from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS, LOCK_INIT,
+                     LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
 from .guard import guard
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
 # Whatever holds open descriptions that may carry this process's OFD locks (`lock_fds()`): a LockTable,
 # the live check's read locks. A fork()ed child drops its copies of them (_drop_lock_descriptions_in_child).
 _CARRIERS: "weakref.WeakSet" = weakref.WeakSet()
-_F_WRLCK, _F_UNLCK = fcntl.F_WRLCK, fcntl.F_UNLCK
-_YIELDS = 16  # sched_yield rounds before a waiter starts sleeping
+_F_RDLCK, _F_WRLCK, _F_UNLCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _NONE: frozenset = frozenset()
 
 
@@ -84,13 +85,14 @@ def flock_bytes(kind: int, lock_id: int, n: int = 1) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, n, 0)
 
 
-def ofd_trylock(fd: int, lock_id: int, n: int = 1) -> bool:
-    """Take OFD locks lock_id .. lock_id+n-1 without waiting, all or none (one fcntl call).
+def ofd_trylock(fd: int, lock_id: int, n: int = 1, *, shared: bool = False) -> bool:
+    """Take OFD locks lock_id .. lock_id+n-1 without waiting, all or none (one fcntl call); `shared` takes
+    read locks (F_RDLCK), which exclude only write locks.
 
-    False if another description holds any of them.
+    False if another description holds any of them in a conflicting mode.
     """
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_WRLCK, lock_id, n))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_RDLCK if shared else _F_WRLCK, lock_id, n))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
@@ -100,6 +102,12 @@ def ofd_trylock(fd: int, lock_id: int, n: int = 1) -> bool:
 
 def ofd_unlock(fd: int, lock_id: int, n: int = 1) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_UNLCK, lock_id, n))
+
+
+def take_lock(fd: int, lock_id: int, timeout: float, what, *, shared: bool = False) -> None:
+    """Take one OFD lock on `fd`, waiting at most `timeout` seconds (lockwait: one backoff, LockTimeout),
+    for a caller without a LockTable (opening a pool, destroying one, the live check)."""
+    wait_acquire(functools.partial(ofd_trylock, fd, lock_id, shared=shared), timeout, what)
 
 
 def _is_span(ids) -> bool:
@@ -268,28 +276,17 @@ class LockTable:
 
     def _take_ofd(self, fd: int, lock_id: int, n: int, deadline: float, timeout: float,
                   blocking: bool = True) -> bool:
-        """OFD-lock ids lock_id .. lock_id+n-1 (all or none per attempt), polling with backoff.
-
-        Critical sections last tens of microseconds, and the shortest sleep
-        Linux grants is ~60 us (timer slack), so a waiter first yields the CPU a
-        few times (the holder may be waiting for it) and only then sleeps,
-        doubling from 20 us up to 1 ms.
-        """
-        delay = 20e-6
-        yields = _YIELDS
-        while not ofd_trylock(fd, lock_id, n):
-            if not blocking:
-                return False
-            if yields:
-                yields -= 1
-                os.sched_yield()
-                continue
-            now = time.monotonic()
-            if now >= deadline:
-                self.timeouts += 1
-                raise LockTimeout(self._timeout_message(lock_id, timeout))
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, 1e-3)
+        """OFD-lock ids lock_id .. lock_id+n-1 (all or none per attempt), waiting until `deadline` (lockwait)."""
+        if ofd_trylock(fd, lock_id, n):
+            return True
+        if not blocking:
+            return False
+        try:
+            wait_for(functools.partial(ofd_trylock, fd, lock_id, n), deadline, timeout,
+                     lambda: self._waited_for(lock_id))
+        except LockTimeout:
+            self.timeouts += 1
+            raise
         return True
 
     def _mark(self, lock_id: int) -> bool:
@@ -363,9 +360,9 @@ class LockTable:
             recs[a:b] = (self.slot_plus1 or 0xFFFFFFFF, 0)
         else:
             idx = np.asarray(ids, dtype=np.int64)
-            dirty = idx[recs[idx, 0] != 0].tolist()
-            recs[idx, 0] = self.slot_plus1 or 0xFFFFFFFF
-            recs[idx, 1] = 0
+            dirty = idx[recs[idx, LOCK_COL_DIRTY] != 0].tolist()
+            recs[idx, LOCK_COL_DIRTY] = self.slot_plus1 or 0xFFFFFFFF
+            recs[idx, LOCK_COL_OP] = 0
         if _cp.ARMED is not None:
             _cp.hit_lock(lock_name(ids[0]).partition("[")[0])
         return dirty
@@ -374,7 +371,8 @@ class LockTable:
         """All lock records as an (ids, 2) u32 array of (dirty, op) over the mapping (batch paths)."""
         recs = self._recs
         if recs is None:
-            recs = self._recs = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=self.mm, offset=self.off_records)
+            recs = self._recs = np.ndarray((LOCK_IDS, LOCK_RECORD.size // 4), dtype="<u4", buffer=self.mm,
+                                           offset=self.off_records)
         return recs
 
     def release_views(self) -> None:
@@ -391,9 +389,9 @@ class LockTable:
         try:
             if clean:
                 if _is_span(ids):
-                    self._records()[ids[0]:ids[-1] + 1, 0] = 0
+                    self._records()[ids[0]:ids[-1] + 1, LOCK_COL_DIRTY] = 0
                 else:
-                    self._records()[np.asarray(ids, dtype=np.int64), 0] = 0
+                    self._records()[np.asarray(ids, dtype=np.int64), LOCK_COL_DIRTY] = 0
             for first, n in _runs(ids):
                 ofd_unlock(fd, first, n)
             held.difference_update(ids)
@@ -442,13 +440,14 @@ class LockTable:
         """
         return _Held(self, lock_id, repair, timeout)
 
-    def _timeout_message(self, lock_id: int, timeout: float) -> str:
+    def _waited_for(self, lock_id: int) -> str:
+        """What a timed-out wait waited for, for its LockTimeout."""
         holder = 0
         if lock_id < LOCK_IDS:
             holder, _ = LOCK_RECORD.unpack_from(self.mm, self.off_records + lock_id * LOCK_RECORD.size)
         who = f" (held by process slot {holder - 1})" if 0 < holder < 0xFFFFFFFF else ""
-        return (f"timed out after {timeout:.3g}s waiting for lock {lock_name(lock_id)}{who}; "
-                "a holder may be stopped or very slow; raise the timeout or inspect the pool")
+        return (f"lock {lock_name(lock_id)}{who}; a holder may be stopped or very slow; raise the timeout or "
+                "inspect the pool")
 
 
 class _Held:

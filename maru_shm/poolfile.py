@@ -2,9 +2,9 @@
 
 Regular files (normally under /dev/shm) are created with O_EXCL and sized with
 ftruncate; DAX character devices are used at their own size, read from
-sysfs, with 2 MiB alignment and the locks on a side file. Exactly one of
-several racing creators initialises the pool: whoever holds the INIT lock
-and finds the file uninitialised.
+sysfs, with 2 MiB alignment. The locks of both live in the pool's lock file
+(lockfile.py). Exactly one of several racing creators initialises the pool:
+whoever holds the INIT lock and finds the file uninitialised.
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import stat
 import time
 
 from . import crashpoints as _cp
-from .errors import (NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError, TruncatedPoolError)
-from .format import (CLASS_STRUCT, LOCK_INIT, MAGIC, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, FLAG_DEVICE, FLAG_RELATIONS,
-                     Geometry)
-from .locks import ofd_trylock, ofd_unlock
+from .access import check_mode, check_owner
+from .errors import (CorruptPoolError, LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError,
+                     StoreError, TruncatedPoolError, VersionError)
+from .format import (CLASS_STRUCT, FLAG_DEVICE, FLAG_RELATIONS, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_INIT, MAGIC,
+                     POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
+from .lockfile import (boot_id, fit_to_pool, lock_file_path, missing_error, name_pool, names_pool, open_lock_file,
+                       still_at)
+from .locks import ofd_unlock, take_lock
 from .sizeclasses import planned_geometric
 from .sizes import format_size
 
@@ -45,17 +49,12 @@ def is_device_path(path: str) -> bool:
         return False
 
 
-def side_lock_path(path: str) -> str:
-    """Where a DAX device keeps its locks: a regular file in /dev/shm named after the device."""
-    return f"/dev/shm/.maru_shm-{os.path.basename(path)}.lock"
-
-
 class PoolFile:
     """An open, mapped pool file: fd, lock fd, mmap, geometry.
 
-    The lock fd is a description of its own (the pool file reopened, or a DAX device's side lock file),
-    never the one the mapping holds: the kernel drops an OFD lock with the last reference to its
-    description, and a mapping (this process's, or a fork()ed child's copy of it) holds one too.
+    The lock fd is the pool's lock file (lockfile.py), never a description the mapping holds: the kernel
+    drops an OFD lock with the last reference to its description, and a mapping (this process's, or a
+    fork()ed child's copy of it) holds one too.
     """
 
     def __init__(self, fd: int, lock_fd: int, mm: mmap.mmap, geo: Geometry, path: str, is_device: bool,
@@ -80,85 +79,6 @@ class PoolFile:
                     os.close(fd)
 
 
-def is_private(mode: int) -> bool:
-    """A private opener (no group bits in its mode) trusts only a pool that no one else can write."""
-    return not mode & 0o070
-
-
-def check_owner(st: os.stat_result, path: str, allow_foreign_owner: bool, mode: int = 0o600) -> None:
-    """Who may attach (docs/DESIGN.md section 2).
-
-    A private opener (mode 0600): only a file it owns that neither its group nor others may write.
-    A group opener (0660/0640): the file's owner; or a member of the file's group when the file is in
-    group mode (group read-write, nothing for others). allow_foreign_owner=True accepts anything the
-    kernel lets us open.
-    """
-    euid = os.geteuid()
-    if allow_foreign_owner:
-        return
-    fmode = stat.S_IMODE(st.st_mode)
-    override = "pass allow_foreign_owner=True to override"
-    if is_private(mode):
-        if st.st_uid != euid:
-            raise PermissionDeniedError(
-                f"{path} is owned by uid {st.st_uid}, not by this user ({euid}), and this opener asked for a "
-                f"private pool (mode {mode:04o}); refusing to share memory with another user (open it with "
-                f"mode=0o660 to join a group-mode pool, or {override})")
-        if fmode & 0o022:
-            raise PermissionDeniedError(
-                f"{path} is writable by {'others' if fmode & 0o002 else 'its group'} (mode {fmode:04o}) but this "
-                f"opener asked for a private pool (mode {mode:04o}); open it with mode=0o660 to share it with "
-                f"the group, or chmod 0600 it ({override})")
-        return
-    if st.st_uid == euid and not fmode & 0o002:
-        return
-    if fmode & 0o007:
-        raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid} and open to every user (mode {fmode:04o}): anyone could have "
-            f"written it; refusing to attach (make it 0660, or {override})")
-    if fmode & 0o060 != 0o060:
-        raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid}, not by this user ({euid}), and is not in group mode "
-            f"(mode {fmode:04o}, not 0660); refusing to share memory with another user ({override})")
-    if st.st_gid not in {os.getegid(), *os.getgroups()}:
-        raise PermissionDeniedError(
-            f"{path} is owned by uid {st.st_uid} and shared with group {st.st_gid} (mode {fmode:04o}), which "
-            f"this user ({euid}) is not in; refusing to attach ({override})")
-
-
-def check_mode(mode: int) -> None:
-    """Creation modes: owner read-write, optionally group bits (0660 to share, 0640 for read-only
-    inspection by the group); never bits for others, execute or special bits."""
-    if mode & ~0o660 or mode & 0o600 != 0o600:
-        raise PermissionDeniedError(
-            f"mode {mode:04o} is not a pool mode: use 0600 (this user only) or 0660 (shared with the file's "
-            "group); a pool open to every user could be written by anyone")
-
-
-def open_side_lock(path: str, mode: int, allow_foreign_owner: bool = False) -> int:
-    """The lock file of a DAX device: created with the pool's mode, and held to the pool's owner rules.
-
-    Whoever can write it can hold INIT or PROC forever, so a lock file that is a symlink, not a regular
-    file, or owned by a user this opener would not share the pool with is refused (DESIGN.md section 2).
-    """
-    lock_path = side_lock_path(path)
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
-    except OSError as e:
-        if os.path.islink(lock_path):
-            raise PermissionDeniedError(f"lock file {lock_path} of {path} is a symlink; refusing it") from None
-        raise PermissionDeniedError(f"cannot open the lock file {lock_path} of {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise PermissionDeniedError(f"lock file {lock_path} of {path} is not a regular file; refusing it")
-        check_owner(st, f"lock file {lock_path} of {path}", allow_foreign_owner, mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     if create:
@@ -168,8 +88,10 @@ def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
             pass
         except OSError as e:
             _raise_open_error(path, e, "")
-    return open_existing(path, flags, missing_hint="; create it with Store.open(path, size=..., create=True) "
-                                                   "or `maru-shm create`"), False
+    return open_existing(path, flags, missing_hint=_MISSING_HINT), False
+
+
+_MISSING_HINT = "; create it with Store.open(path, size=..., create=True) or `maru-shm create`"
 
 
 def open_existing(path: str, flags: int, missing_hint: str = "") -> int:
@@ -202,33 +124,49 @@ def _raise_open_error(path: str, e: OSError, missing_hint: str):
 
 def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, timeout: float,
                    allow_foreign_owner: bool, plan_kwargs: dict) -> PoolFile:
-    """Open (and if asked, create and initialise) the pool at `path` and map it."""
+    """Open (and if asked, create and initialise) the pool at `path` and map it.
+
+    A creator makes the lock file first, then the pool: a pool file never exists without one. INIT, held on
+    the lock file, decides who formats, and that the lock file is the one the pool was made with.
+    """
     if os.path.islink(path):
         raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path")
     if create:
         check_mode(mode)
-    fd, created = _open_fd(path, create, mode)
-    lock_fd = fd
-    ok = False
+    is_device = is_device_path(path)
+    if is_device:
+        dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
+    lock_path = lock_file_path(path, is_device)
+    fd, created, lock_fd, lock_made, ok, refused = -1, False, -1, False, False, False
     try:
-        st = os.fstat(fd)
-        is_device = stat.S_ISCHR(st.st_mode)
-        if not is_device and not stat.S_ISREG(st.st_mode):
-            raise NotAPoolError(f"{path} is neither a regular file nor a DAX device")
-        if is_device:
-            dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
-        check_owner(st, path, allow_foreign_owner, mode)
-        lock_fd = open_side_lock(path, mode, allow_foreign_owner) if is_device else \
-            os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)  # see PoolFile
+        fd = _open_if_there(path)
+        if fd != -1:  # the pool's own rules first: what is refused is named as the pool
+            st = _checked(fd, path, is_device, allow_foreign_owner, mode)
+        elif not create:
+            open_existing(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, missing_hint=_MISSING_HINT)
+        try:
+            lock_fd, lock_made = open_lock_file(path, is_device, mode, allow_foreign_owner=allow_foreign_owner,
+                                                create=create)
+        except LockFileError:
+            _refuse_without_lock_file(fd, path)
+            raise
+        if fd == -1:  # a creator: its lock file first, then the pool
+            fd, created = _open_fd(path, create, mode)
+            st = _checked(fd, path, is_device, allow_foreign_owner, mode)
         if created and mode & 0o077:
             os.fchmod(fd, mode)  # umask must not narrow a requested group mode
+            st = os.fstat(fd)
+        fit_to_pool(lock_fd, path, is_device, st)
         deadline = time.monotonic() + timeout
         while True:
-            _take_init_lock(lock_fd, path, timeout)
+            take_lock(lock_fd, LOCK_INIT, timeout, f"another process to initialise {path} (lock INIT)")
             if _cp.ARMED is not None:
                 _cp.hit_lock("INIT")
             try:
-                geo = _initialise_or_read(fd, path, is_device, size, create, plan_kwargs)
+                if not still_at(lock_fd, lock_path) or not (is_device or still_at(fd, path)):
+                    raise StoreError(f"{path} or its lock file {lock_path} was removed or replaced while it was "
+                                     "being opened; retry")
+                geo = _initialise_or_read(fd, lock_fd, path, is_device, size, create, plan_kwargs)
                 break
             except _NotReady as e:
                 if time.monotonic() > deadline:
@@ -246,29 +184,76 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
             raise StoreError(f"{path} changed while it was being opened; retry")
         ok = True
         return PoolFile(fd, lock_fd, mm, geo, path, is_device, created)
+    except (NotAPoolError, VersionError, CorruptPoolError, LockFileError, PermissionDeniedError, SizeMismatchError):
+        refused = True  # a refusal of what is there: anyone else opening it now is refused too
+        raise
     finally:
         if not ok:
+            pool_removed = False
             if created and not is_device_path(path) and os.fstat(fd).st_size == 0:
                 os.unlink(path)  # we made this empty file and could not make it a pool
-            if lock_fd != fd:
+                pool_removed = True
+            # A lock file we made goes with the pool we made, or when what is at the path was refused; not
+            # when formatting failed, since a racing opener may have opened it and may format the pool.
+            if lock_made and (pool_removed or refused) and still_at(lock_fd, lock_path):
+                os.unlink(lock_path)
+            if lock_fd != -1:
                 os.close(lock_fd)
-            os.close(fd)
+            if fd != -1:
+                os.close(fd)
+
+
+def _open_if_there(path: str) -> int:
+    """The pool file opened read-write, or -1 where there is none yet."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return -1
+    except OSError as e:
+        _raise_open_error(path, e, "")
+
+
+def _checked(fd: int, path: str, is_device: bool, allow_foreign_owner: bool, mode: int) -> os.stat_result:
+    """The pool file's stat, once it is a regular file or the DAX device looked at, passing the owner rule."""
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode) != is_device or not (is_device or stat.S_ISREG(st.st_mode)):
+        raise NotAPoolError(f"{path} is neither a regular file nor a DAX device" if not stat.S_ISCHR(st.st_mode)
+                            else f"{path} changed while it was being opened; retry")
+    check_owner(st, path, allow_foreign_owner, mode)
+    return st
+
+
+def _refuse_without_lock_file(fd: int, path: str) -> None:
+    """An opener without create=True found no lock file: say first what is wrong with the pool itself, if
+    anything (not a ready pool; a ready pool of another format version, whose version field never changes,
+    so it is read without INIT). A ready pool of ours without its lock file is the caller's LockFileError."""
+    head = os.pread(fd, STATE_OFF + 4, 0)
+    if len(head) < STATE_OFF + 4 or head[:8] != MAGIC or U32.unpack_from(head, STATE_OFF)[0] != STATE_READY:
+        raise _unready(path, head)
+    try:
+        Geometry.read(head, 1 << 62)
+    except VersionError:
+        raise
+    except StoreError:
+        pass
 
 
 class _NotReady(Exception):
     pass
 
 
-def _take_init_lock(fd: int, path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ofd_trylock(fd, LOCK_INIT):
-        if time.monotonic() > deadline:
-            from .errors import LockTimeout
-            raise LockTimeout(f"timed out after {timeout:.3g}s waiting for another process to initialise {path}")
-        time.sleep(0.001)
+def _unready(path: str, head: bytes) -> NotAPoolError:
+    """Why a file that is not a ready pool cannot be opened without create=True."""
+    if not head:
+        return NotAPoolError(f"{path} is an empty file, not an initialised maru-shm pool; open it with create=True "
+                             "and a size to make it one")
+    if head[:8] == MAGIC:
+        return NotAPoolError(f"{path} is a maru-shm pool whose creator died while formatting it; open it with "
+                             "create=True (as MaruStorage does) to format it again")
+    return NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to touch it")
 
 
-def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, create: bool,
+def _initialise_or_read(fd: int, lock_fd: int, path: str, is_device: bool, size: int | None, create: bool,
                         plan_kwargs: dict) -> Geometry:
     """Holding INIT: read a ready pool, or initialise an empty/unfinished one if `create`.
 
@@ -279,24 +264,20 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
     """
     actual = dax_size(path) if is_device else os.fstat(fd).st_size
     head = os.pread(fd, min(actual, SUPERBLOCK_SIZE), 0) if actual else b""
-    ready = len(head) >= STATE_OFF + 4 and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
+    ready = len(head) >= HEADER_READY_END and head[:8] == MAGIC and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
     if ready:
         geo = Geometry.read(head, actual)
         if size is not None and size != geo.file_size and not is_device:
             raise SizeMismatchError(
                 f"{path} is an existing pool of {geo.file_size} bytes, but size={size} was asked for; "
                 "omit size to open it as it is, or destroy and recreate it")
+        _match_lock_file(fd, lock_fd, path, is_device, head, create)
         return geo
     unfinished = head[:8] == MAGIC
     formattable = actual == 0 or unfinished or (is_device and not any(head))
     if not create:
-        if actual == 0:
-            raise _NotReady(f"{path} is an empty file, not an initialised maru-shm pool; open it with "
-                            "create=True and a size to make it one")
-        if unfinished:
-            raise NotAPoolError(f"{path} is a maru-shm pool whose creator died while formatting it; open it "
-                                "with create=True (as MaruStorage does) to format it again")
-        raise NotAPoolError(f"{path} is not a maru-shm pool (wrong magic); refusing to touch it")
+        error = _unready(path, head)
+        raise _NotReady(str(error)) if actual == 0 else error
     if not formattable:
         what = "is not empty" if not any(head) else "is not a maru-shm pool (wrong magic)"
         raise NotAPoolError(f"{path} exists and {what}; refusing to overwrite it (only an empty file or a "
@@ -313,10 +294,27 @@ def _initialise_or_read(fd: int, path: str, is_device: bool, size: int | None, c
         geo = Geometry.plan(file_size, **plan_kwargs)
     except ValueError as e:
         raise StoreError(f"cannot create a pool at {path}: {e}") from None
+    name_pool(lock_fd, geo.pool_uuid)  # before READY: a ready pool always has its lock file
     if not is_device:
         _size_regular_file(fd, path, file_size)
     _write_header(fd, geo, is_device)
     return geo
+
+
+def _match_lock_file(fd: int, lock_fd: int, path: str, is_device: bool, head: bytes, create: bool) -> None:
+    """Holding INIT on a ready pool: the lock file must be the one the pool was made with, else an opener
+    would lock another file than the pool's processes. One made in an earlier boot is adopted by an opener
+    with `create` (no process of that boot lives to hold a lock on the lost one)."""
+    pool_uuid = head[POOL_UUID_OFF:POOL_UUID_OFF + 16]
+    if names_pool(lock_fd, pool_uuid):
+        return
+    now = boot_id()
+    if create and any(now) and head[LOCK_BOOT_OFF:LOCK_BOOT_OFF + 16] != now:
+        name_pool(lock_fd, pool_uuid)
+        os.pwrite(fd, now, LOCK_BOOT_OFF)
+        return
+    raise missing_error(path, is_device, "was removed or replaced while the pool may be in use"
+                        if create else "is not the one the pool was made with")
 
 
 def free_space(fd: int) -> int:
@@ -387,7 +385,8 @@ def regrow_truncated(fd: int, path: str, size: int, file_size: int) -> Truncated
             os.ftruncate(fd, file_size)
         if os.pread(fd, 8, 0) != MAGIC:
             os.pwrite(fd, MAGIC, 0)
-        os.pwrite(fd, bytes(4), STATE_OFF)  # not READY: a partial truncation left a header that still looks whole
+        # not READY: a partial truncation left a header that still looks whole
+        os.pwrite(fd, bytes(HEADER_READY_END - STATE_OFF), STATE_OFF)
         grown = "grown back to its size, to be formatted again by the next create=True opener"
     except OSError as e:
         grown = f"could not be grown back ({e.strerror})"
@@ -422,6 +421,7 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
             _cp.hit("init.mid_header")
         for cid, (kind, k, bsize, n) in enumerate(planned_geometric(geo.granule, geo.unit_size, geo.max_value)):
             CLASS_STRUCT.pack_into(mm, geo.class_entry(cid), kind, k, bsize, n, 0, 0, 0, 0)
+        mm[LOCK_BOOT_OFF:LOCK_BOOT_OFF + 16] = boot_id()
         U32.pack_into(mm, STATE_OFF, STATE_READY)
         if is_device:
             mm.flush()
@@ -429,4 +429,4 @@ def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
         mm.close()
 
 
-__all__ = ["PoolFile", "open_pool_file", "dax_size", "side_lock_path", "SUPERBLOCK_SIZE"]
+__all__ = ["PoolFile", "open_pool_file", "dax_size", "SUPERBLOCK_SIZE"]

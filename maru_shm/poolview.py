@@ -4,8 +4,9 @@ Used by Store.stats() and by the `maru-shm inspect` / `watch` commands. Every
 function takes either an attached Store or a `PoolView`: a read-only look at a
 pool that never attaches (no process slot, no reaping, no lock taken), opened
 O_RDONLY and mapped PROT_READ, so the kernel itself guarantees it cannot write.
-Process liveness is read with F_OFD_GETLK, which works on a read-only
-descriptor and takes nothing.
+Process liveness is read with F_OFD_GETLK on the pool's lock file, which works on a
+read-only descriptor and takes nothing; a user who may only read the pool cannot
+open the lock file, and sees liveness as unknown (None).
 
 Everything here is a snapshot: writers may move on while it is taken, so
 counts can be off by the few operations in flight, and a lock record may be
@@ -25,17 +26,19 @@ import numpy as np
 
 from . import faultguard
 from .errors import NotAPoolError, PoolDamagedError, StoreError
-from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTER_NAMES, COUNTERS, ENTRY_SIZE, FLAG_DEVICE,
-                     HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
-                     LOCK_PROC, LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE,
-                     PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_ENTRY,
-                     SLOT_LOCK_BASE, STATE_OFF, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
+from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
+                     ENTRY_WORD_OFF, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
+                     LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
+                     MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
+                     PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
+                     SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
-from .poolfile import dax_size, open_existing, side_lock_path
+from .lockfile import open_for_reading
+from .poolfile import dax_size, open_existing
 from .allocator.relations import Relations
 
 #: Version of the `report()` layout (the `maru-shm inspect --json` object).
-REPORT_SCHEMA = 1
+REPORT_SCHEMA = 2  # 2: a process's `alive` may be None (unknown), and `repair.locks_seen`
 #: A shard is kept at or below this load by eviction (docs/FORMAT.md section 7).
 SHARD_LOAD_LIMIT = 7 / 8
 
@@ -90,21 +93,18 @@ class PoolView:
             is_device = stat.S_ISCHR(st.st_mode)
             if is_device:
                 size = dax_size(path)
-                try:
-                    lock_fd = os.open(side_lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    fds.append(lock_fd)
-                except FileNotFoundError:
-                    lock_fd = None  # no process ever attached since boot: nobody holds a lock
             elif stat.S_ISREG(st.st_mode):
                 size = st.st_size
-                lock_fd = fd
             else:
                 raise NotAPoolError(f"{path} is neither a regular file nor a DAX device; not a maru-shm pool")
-            head = os.pread(fd, STATE_OFF + 4, 0) if size >= STATE_OFF + 4 else b""
+            head = os.pread(fd, HEADER_READY_END, 0) if size >= HEADER_READY_END else b""
             geo = Geometry.read(head, size)
             mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
             if Geometry.read(mm, geo.file_size) != geo:
                 raise StoreError(f"{path} changed while it was being opened; retry")
+            lock_fd = open_for_reading(path, is_device, geo.pool_uuid)  # None: liveness unknown
+            if lock_fd is not None:
+                fds.append(lock_fd)
             return cls(mm, geo, path, lock_fd, is_device=is_device, fds=tuple(fds))
         except BaseException:
             if mm is not None:
@@ -123,14 +123,21 @@ class PoolView:
             return True
         return (st.st_ino, st.st_dev) != (self.ino, self.dev)
 
-    def held(self, lock_id: int) -> bool:
-        """Does some process hold this lock right now? (F_OFD_GETLK: takes nothing.)"""
+    @property
+    def sees_locks(self) -> bool:
+        """Can this view tell who holds a lock? Not where its user may not open the pool's lock file (a user
+        who may only read the pool) or the lock file is gone: then liveness is unknown."""
+        return self.lock_fd is not None
+
+    def held(self, lock_id: int) -> bool | None:
+        """Does some process hold this lock right now (F_OFD_GETLK: takes nothing)? None: unknown."""
         if self.lock_fd is None:
-            return False
+            return None
         return ofd_is_held(self.lock_fd, lock_id)
 
-    def slot_alive(self, slot: int) -> bool:
-        return slot == self.self_slot or self.held(SLOT_LOCK_BASE + slot)
+    def slot_alive(self, slot: int) -> bool | None:
+        """Is the process of this slot alive (its SLOT lock held)? None: unknown (`sees_locks`)."""
+        return True if slot == self.self_slot else self.held(SLOT_LOCK_BASE + slot)
 
     def close(self) -> None:
         if self._owns_map and self.mm is not None:
@@ -188,8 +195,8 @@ class _Snapshot:
         g = v.geo
         self.v, self.g = v, g
         self._meta = None
-        self.states = _column(v.mm, g.off_slabs, g.n_units, SLAB_ENTRY, "<u4")
-        self.clsfield = _column(v.mm, g.off_slabs + 4, g.n_units, SLAB_ENTRY, "<u4")
+        self.states = _column(v.mm, g.off_slabs + SLAB_STATE, g.n_units, SLAB_ENTRY, "<u4")
+        self.clsfield = _column(v.mm, g.off_slabs + SLAB_CLS, g.n_units, SLAB_ENTRY, "<u4")
         self.classes = _read_classes(v.mm, g)
         self.relations = Relations(v.mm, g)
 
@@ -198,7 +205,7 @@ class _Snapshot:
         """(words, lengths, owners) of every block meta."""
         if self._meta is None:
             g = self.g
-            self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, 32, "<u8"),
+            self._meta = (_column(self.v.mm, g.off_blockmeta, g.n_granules, META_SIZE, "<u8"),
                           _column(self.v.mm, g.off_blockmeta + META_LENGTH_OFF, g.n_granules, META_SIZE, "<u4"),
                           _column(self.v.mm, g.off_blockmeta + META_OWNER_OFF, g.n_granules, META_SIZE, "<u2"))
         return self._meta
@@ -220,8 +227,9 @@ def _read_classes(mm, g: Geometry) -> dict[int, dict]:
 def _index_shape(v: PoolView) -> dict:
     g = v.geo
     n = g.index_slots
-    words = _column(v.mm, g.off_index + 16, n, ENTRY_SIZE, "<u8")
-    homes = _column(v.mm, g.off_index + 8, n, ENTRY_SIZE, "<u8")  # digest bytes 8..15: the home slot's hash
+    words = _column(v.mm, g.off_index + ENTRY_WORD_OFF, n, ENTRY_SIZE, "<u8")
+    # the digest's second u64 half: the home slot's hash
+    homes = _column(v.mm, g.off_index + (ENTRY_COL_DIGEST + 1) * 8, n, ENTRY_SIZE, "<u8")
     used = words != 0
     pos = np.arange(n, dtype=np.int64) % g.shard_slots
     home = (homes & np.uint64(g.shard_slots - 1)).astype(np.int64)
@@ -328,7 +336,7 @@ def _processes(v: PoolView) -> list[dict]:
         if state == 0:
             continue
         counters = dict(zip(COUNTER_NAMES, COUNTERS.unpack_from(v.mm, o + PROC_COUNTERS_OFF)))
-        out.append({"slot": slot, "pid": pid, "uid": uid, "alive": bool(v.slot_alive(slot)),
+        out.append({"slot": slot, "pid": pid, "uid": uid, "alive": v.slot_alive(slot),
                     "self": slot == v.self_slot, "start_ticks": ticks, "started_ns": _started_ns(ticks),
                     "attach_ns": attach_ns, "counters": counters})
     return out
@@ -336,7 +344,8 @@ def _processes(v: PoolView) -> list[dict]:
 
 @_intact
 def processes(src) -> list[dict]:
-    """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held), counters."""
+    """Claimed process-table slots: pid, start time, attach time, alive (its SLOT lock is held; None where
+    the view cannot see locks), counters."""
     return _processes(_as_view(src))
 
 
@@ -353,9 +362,9 @@ def _lock_domain(lock_id: int) -> tuple[str, int | None]:
 
 def _dirty_locks(v: PoolView) -> list[dict]:
     g = v.geo
-    rec = np.ndarray((LOCK_IDS, 2), dtype="<u4", buffer=v.mm, offset=g.off_locks)
+    rec = np.ndarray((LOCK_IDS, LOCK_RECORD.size // 4), dtype="<u4", buffer=v.mm, offset=g.off_locks)
     try:
-        marked = np.flatnonzero(rec[:, 0]).tolist()
+        marked = np.flatnonzero(rec[:, LOCK_COL_DIRTY]).tolist()
     finally:
         del rec
     out = []
@@ -516,7 +525,8 @@ def report(src) -> dict:
             "shards": sorted(d["index"] for d in dirty if d["domain"] == "shard"),
             "classes": sorted(d["index"] for d in dirty if d["domain"] == "class"),
             "pool": any(d["domain"] == "pool" for d in dirty),
-            "dead_processes": [p["slot"] for p in procs if not p["alive"]],
+            "dead_processes": [p["slot"] for p in procs if p["alive"] is False],
+            "locks_seen": v.sees_locks,
         },
         "counters": c,
     }

@@ -16,7 +16,8 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import ValueTooLargeError
-from .format import FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT, SHARD_LOCK_BASE, U16, U64
+from .format import (FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT, SHARD_LOCK_BASE,
+                     U16, U32, U64, length_sound)
 from .locks import dense_range
 from .validity import Hit, lookup, names_lifetime
 
@@ -55,8 +56,8 @@ class Publisher:
         loc = att.alloc.block_index(offset)
         if loc is None:
             return 0
-        mword, md, length, owner, _ = META_STRUCT.unpack_from(att.mm, att.geo.meta_of(offset))
-        if mword & 3 != LIVE or md != d or not owner or length > loc[1].block:
+        mword, md, length, owner, _, flags = META_STRUCT.unpack_from(att.mm, att.geo.meta_of(offset))
+        if mword & 3 != LIVE or md != d or not owner or not length_sound(length, flags) or length > loc[1].block:
             return 0
         return mword
 
@@ -153,7 +154,7 @@ class Publisher:
             evicted[0] += 1
             if 0 <= voff < att.geo.data_bytes:
                 m = att.geo.meta_of(voff)
-                evicted[1] += int.from_bytes(att.mm[m + META_LENGTH_OFF:m + META_LENGTH_OFF + 4], "little")
+                evicted[1] += U32.unpack_from(att.mm, m + META_LENGTH_OFF)[0]
 
     # ---------------------------------------------------------------- what the allocator asks
     def unpublish_many(self, halves: np.ndarray, offsets: np.ndarray, words: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import uuid
 
 import pytest
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 
 _HEADER = struct.Struct("<16sQQ")  # key digest, version, total length
 HEADER_SIZE = _HEADER.size  # 32
@@ -88,6 +88,22 @@ def reserve(store, info, keys, length: int) -> list[int]:
     return store.alloc.allocate(info, halves, np.full(len(keys), length, dtype=np.uint64), store.slot + 1)
 
 
+def write_pool_image(path: str, image: bytes) -> None:
+    """Write a pool's bytes to a new file at `path`, with the lock file its header's pool_uuid names (a pool
+    is opened only with the lock file it was made with)."""
+    from maru_shm.format import POOL_UUID_OFF
+    from maru_shm.lockfile import lock_file_path, name_pool
+    for p, data in ((lock_file_path(path, False), None), (path, image)):
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            if data is None:
+                name_pool(fd, image[POOL_UUID_OFF:POOL_UUID_OFF + 16].ljust(16, b"\0"))
+            else:
+                os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
 def write_note(errdir: str, tag: str, text: str) -> None:
     """A worker process reports a failure (wrong read, traceback) as a file the test reads afterwards."""
     with open(os.path.join(errdir, f"{tag}-{os.getpid()}-{time.monotonic_ns()}.txt"), "w") as f:
@@ -143,11 +159,11 @@ def pytest_runtest_setup(item):
 def pool_path():
     path = f"/dev/shm/maru-test-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     yield path
-    for p in (path, path + ".link"):
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass
+    remove_pool(path)
+    try:
+        os.unlink(path + ".link")
+    except FileNotFoundError:
+        pass
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ face of maru_shm.
     L4  the Store facade, checks and repair, read-only pool view, administration
     L3  the store's parts: attachment, process table, reaper, counters, the validity rule, read path,
         write path, publication, put batches, batch lookup
-    L2  allocator/  index/  locks  poolfile  pieces  faultguard  fence  copyengine
+    L2  allocator/  index/  locks  access (who may open)  lockfile  poolfile  pieces  faultguard  fence  copyengine
     L1  format (superblock, geometry, records, words, lock ids), size classes
-    L0  errors, human sizes, crash points, idle cores, the copy plan, thread guards
+    L0  errors, human sizes, crash points, idle cores, the copy plan, thread guards, record declarations, the lock wait
 
 The imports are read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -23,9 +23,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan", "guard"},
+    0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan", "guard", "records", "lockwait"},
     1: {"format", "sizeclasses"},
-    2: {"allocator", "index", "locks", "poolfile", "pieces", "faultguard", "fence", "copyengine"},
+    2: {"allocator", "index", "locks", "access", "lockfile", "poolfile", "pieces", "faultguard", "fence", "copyengine"},
     3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",
         "putbatch", "resolve"},
     4: {"store", "check", "checkrules", "livecheck", "poolview", "admin", "__init__"},

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from maru_shm import LockTimeout, Store, chain_relations
+from maru_shm import LockTimeout, Store, chain_relations, remove_pool
 
 SIZES = (4096, 5000, 20000, 70000, 131072)
 
@@ -98,8 +98,7 @@ def _work(store, wid: int, nkeys: int, counters, seed: int) -> None:
 
 def run(path: str, seconds: float, workers: int, size: str, nkeys: int, seed: int, progress=None,
         threads: int = 1) -> dict:
-    if os.path.exists(path):
-        os.unlink(path)
+    remove_pool(path)
     Store.open(path, size=size, create=True).close()
     ctx = mp.get_context("fork")
     slots = workers + 1
@@ -151,7 +150,7 @@ def run(path: str, seconds: float, workers: int, size: str, nkeys: int, seed: in
                 present += 1
                 bad_values += not verify(f"k{i}", v)
         st = store.stats()
-    os.unlink(path)
+    remove_pool(path)
     ok = wrong == 0 and bad_values == 0 and after.ok and st["processes"] == 1 and crashes == 0
     orphans = sum("orphan" in p for p in before.problems)
     ok = ok and orphans == 0  # a dirty lock is repaired by its next holder, by design: not a failure

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from maru_shm import remove_pool
+
 PAGE = 128 << 10
 
 
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         for p in ps:
             p.join(30)
     finally:
-        os.unlink(a.path)
+        remove_pool(a.path)
     during = np.array([d for t, d in stamps if t0 <= t <= t1 or t <= t0 <= t + d]) * 1e3
     outside = np.array([d for t, d in stamps if t + d < t0 or t > t1]) * 1e3
     print(f"check of a {a.size} pool: {t1 - t0:.2f} s, exit {r.returncode}: {r.stdout.strip()}")

@@ -140,7 +140,7 @@ def _report(view) -> dict:
     from maru_shm import pool_report
     from maru_sglang.tierstatus import read_statuses
     rep = pool_report(view)
-    rep["tier2"] = read_statuses(rep["path"], [p["pid"] for p in rep["processes"] if p["alive"]])
+    rep["tier2"] = read_statuses(rep["path"], [p["pid"] for p in rep["processes"] if p["alive"] is not False])
     return rep
 
 
@@ -220,6 +220,10 @@ def cmd_check(args) -> int:
     scope = f"{first.checked_blocks:,} blocks, {first.checked_entries:,} index entries"
     for p in first.problems:
         _print(f"problem: {p}")
+    if first.unlocked:
+        _print(f"note: checked without locks: this user may not reach the lock file of {args.path} (only its "
+               "writers may), so findings about parts that writers were changing may be passing states, and "
+               "no process's liveness is known")
     if first.to_reap:
         _print(f"note: {len(first.to_reap)} thing(s) left by exited processes, which the next process to open "
                f"the pool reaps (not damage); the first: {first.to_reap[0]}")

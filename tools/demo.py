@@ -19,10 +19,11 @@ and `check` finds the pool clean after both servers stop.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
+
+from maru_shm import remove_pool
 
 from .serving import DEMO_MODEL, Reply, Server, ServerSpec, prompt, stored_pages, wait_until_stored, warm_up
 
@@ -118,8 +119,7 @@ def main(argv=None) -> int:
                     help="serve --model's geometry with random weights (a config.json is enough)")
     ap.add_argument("--keep", action="store_true", help="keep the pool file and the server logs")
     a = ap.parse_args(argv)
-    if os.path.exists(a.pool):
-        os.unlink(a.pool)
+    remove_pool(a.pool)
     work = tempfile.mkdtemp(prefix="maru-demo-")
     model_path = a.model or DEMO_MODEL.write(work)
     model_line = (f"model: {a.model} on {a.device}" if a.model else f"model: {DEMO_MODEL.describe()}")
@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     try:
         run = four_prompts(spec, a.tokens, a.new_tokens, log_dir=work, say=print)
     finally:
-        if not a.keep and os.path.exists(a.pool):
-            os.unlink(a.pool)
+        if not a.keep:
+            remove_pool(a.pool)
     report(run, model_line, a.tokens)
     r = run.replies
     why = [m for bad, m in [

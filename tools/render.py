@@ -112,6 +112,13 @@ def _grid(pairs: list[tuple[str, str]], per_row: int) -> list[list[str]]:
     return rows
 
 
+def _dead(dead: list, repair: dict) -> str:
+    """The dead processes not yet reaped, or why nobody's liveness is known."""
+    if not repair.get("locks_seen", True):
+        return "unknown: only the pool's writers may open its lock file"
+    return ", ".join(f"slot {p['slot']} (pid {p['pid']})" for p in dead) or "none"
+
+
 def sections(rep: dict, prev: dict | None = None) -> list[Section]:
     """The report as titled tables; with `prev` (an earlier report) counters also show rates."""
     g, f, sp, ix = rep["geometry"], rep["format"], rep["space"], rep["index"]
@@ -155,12 +162,12 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
 
     rows, styles = [], []
     for p in rep["processes"]:
-        status = "this process" if p.get("self") else ("alive" if p["alive"] else "dead")
+        status = "this process" if p.get("self") else {True: "alive", False: "dead", None: "unknown"}[p["alive"]]
         c = p["counters"]
         rows.append([str(p["slot"]), str(p["pid"]), str(p["uid"]), status, when(p["started_ns"]),
                      ago(p["attach_ns"], now), count(c["puts"]), count(c["hits"]), count(c["misses"]),
                      count(c["evictions"])])
-        styles.append(None if p["alive"] else "red")
+        styles.append("red" if p["alive"] is False else None)
     out.append(Section("Processes", ["slot", "pid", "uid", "status", "started", "attached for", "puts", "hits",
                                      "misses", "evictions"], rows, align="rrrllrrrrr", empty="none attached",
                        row_styles=styles))
@@ -182,8 +189,8 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
     others = [d["lock"] for d in rp["dirty_locks"] if d["domain"] not in ("shard", "class", "pool")]
     if others:
         pairs.append(("other dirty locks", ", ".join(others)))
-    dead = [p for p in rep["processes"] if not p["alive"]]
-    pairs.append(("dead, not yet reaped", ", ".join(f"slot {p['slot']} (pid {p['pid']})" for p in dead) or "none"))
+    dead = [p for p in rep["processes"] if p["alive"] is False]
+    pairs.append(("dead, not yet reaped", _dead(dead, rp)))
     out.append(Section("Repair", pairs=pairs, per_row=3))
 
     c = rep["counters"]

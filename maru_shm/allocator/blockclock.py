@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import CLS_HAND, LIVE, U64
+from ..format import CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK, U64
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
 from .relations import DEPTH_MAX, Relations
@@ -69,9 +69,9 @@ class BlockClock:
             self.relations.doom(*related)
         vheads, vindex = heads[ring // info.bps], ring % info.bps
         voffs = vheads * self.slabs.geo.unit_size + vindex * info.block
-        vwords = rows[:, 0]
-        lens = rows[:, 3] & np.uint64(0xFFFFFFFF)
-        gone = self.host.unpublish_many(rows[:, 1:3], voffs.astype(np.uint64), vwords)
+        vwords = rows[:, META_COL_WORD]
+        lens = rows[:, META_COL_TAIL] & np.uint64(META_TAIL_LENGTH_MASK)
+        gone = self.host.unpublish_many(rows[:, META_COL_DIGEST:META_COL_DIGEST + 2], voffs.astype(np.uint64), vwords)
         # Free what we unpublished, and orphans (LIVE, unowned, not indexed); a block whose word moved on,
         # or that another process claimed by unpublishing it first, is not ours to free.
         if len(voffs) > SMALL_BATCH:
@@ -137,7 +137,7 @@ class BlockClock:
         g = self._granules(info, heads, ring)
         q = self.metas.meta_q[g]
         owner, ref, pinned = BlockMetas.columns(q)
-        return g, q, ((q[:, 0] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
+        return g, q, ((q[:, META_COL_WORD] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
 
     def searchable(self, info: ClassInfo) -> bool:
         """Is the class worth searching for stranded values: one that values with records were written into
@@ -175,7 +175,7 @@ class BlockClock:
         if not len(ring):
             return none
         g, q, eligible, _ = self._read(info, heads, ring)
-        recs, valid = self.relations.of(g, q[:, 0])
+        recs, valid = self.relations.of(g, q[:, META_COL_WORD])
         valid &= eligible
         if not valid.any():
             return none
@@ -195,7 +195,7 @@ class BlockClock:
         rel = self.relations
         rows = valid = None
         if rel.enabled:
-            rows, valid = rel.of(g, q[:, 0])
+            rows, valid = rel.of(g, q[:, META_COL_WORD])
             valid &= eligible
         if rows is None or not valid.any():
             victims = np.flatnonzero(eligible & ~ref)[:want]
@@ -217,7 +217,7 @@ class BlockClock:
         g = voffs >> self.metas.shift
         now = self.metas.meta_q[g]
         owner = BlockMetas.columns(now)[0]
-        ours = (now[:, 0] == vwords) & (gone | (owner == 0))
+        ours = (now[:, META_COL_WORD] == vwords) & (gone | (owner == 0))
         sel = np.flatnonzero(ours)
         if not sel.size:
             return 0, 0, 0

@@ -2,18 +2,20 @@
 
 The meta of a block's first granule holds its word (lifetime counter << 2 | state), the key's digest,
 the value's length, the owner (slot + 1 of the process that holds it, 0 for none), the ref bit for the
-block CLOCK and the flags byte. A lifetime begins FREE -> RESERVED with the next word, and every change
+block CLOCK and the flags byte (pinned, and the length's check: every reservation writes the check with
+the length, in the same store). A lifetime begins FREE -> RESERVED with the next word, and every change
 of state writes the word first, so a lock-free reader holding the old word fails its check from then on.
 """
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
-from ..format import (FLAG_PINNED, FREE, META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_REF_OFF, META_SIZE, META_STRUCT,
-                      RESERVED, U16, U64, next_word, next_words, store_u64)
+from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
+                      META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
+                      META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
+                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+from ..records import record_struct
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
 # costs a few microseconds whatever its length, which only pays off over many keys.
@@ -24,17 +26,18 @@ def digest_bytes(d) -> bytes:
     """One digest as 16 bytes: small batches pass them so, batch paths as rows of (m, 2) u64 halves."""
     return d if type(d) is bytes else d.tobytes()
 
-_REST = struct.Struct("<16sIHB")  # meta bytes 8..30: digest, length, owner, ref (META_STRUCT after the word)
-_OWNER_SHIFT, _REF_SHIFT, _FLAGS_SHIFT = 32, 48, 56  # in the u64 at byte 24: length | owner | ref | flags
+_REST = record_struct(META_LAYOUT, "digest", "flags")  # the meta after its word
+_OWNER_SHIFT, _REF_SHIFT, _FLAGS_SHIFT = META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT, META_TAIL_FLAGS_SHIFT
+_WORD, _D0, _D1, _TAIL = META_COL_WORD, META_COL_DIGEST, META_COL_DIGEST + 1, META_COL_TAIL  # meta_q columns
 
 
 class BlockMetas:
     def __init__(self, mm, geo):
         self.mm, self.geo = mm, geo
         n, base = geo.n_granules, geo.off_blockmeta
-        # word, digest lo, digest hi, length|owner|ref|flags: one row per granule (vectorised batches)
-        self.meta_q = np.ndarray((n, 4), dtype="<u8", buffer=mm, offset=base, strides=(META_SIZE, 8))
-        self.meta_words = self.meta_q[:, 0]
+        # word, digest lo, digest hi, length|owner|ref|flags: one row of u64 per granule (vectorised batches)
+        self.meta_q = np.ndarray((n, META_COLS), dtype="<u8", buffer=mm, offset=base, strides=(META_SIZE, 8))
+        self.meta_words = self.meta_q[:, _WORD]
         self.meta_owners = np.ndarray((n,), dtype="<u2", buffer=mm, offset=base + META_OWNER_OFF,
                                       strides=(META_SIZE,))
         self.meta_refs = np.ndarray((n,), dtype=np.uint8, buffer=mm, offset=base + META_REF_OFF,
@@ -54,7 +57,7 @@ class BlockMetas:
         return U16.unpack_from(self.mm, m + META_OWNER_OFF)[0]
 
     def read(self, offset: int):
-        """(word, digest, length, owner, ref) of the block at data offset `offset`."""
+        """(word, digest, length, owner, ref, flags) of the block at data offset `offset`."""
         return META_STRUCT.unpack_from(self.mm, self.geo.meta_of(offset))
 
     # ---------------------------------------------------------------- CLOCK bits
@@ -77,7 +80,7 @@ class BlockMetas:
     @staticmethod
     def columns(q: np.ndarray):
         """(owner, ref set, pinned) of meta rows q (numpy)."""
-        w3 = q[:, 3]
+        w3 = q[:, _TAIL]
         owner = (w3 >> np.uint64(_OWNER_SHIFT)) & np.uint64(0xFFFF)
         ref = ((w3 >> np.uint64(_REF_SHIFT)) & np.uint64(0xFF)) != 0
         pinned = ((w3 >> np.uint64(_FLAGS_SHIFT)) & np.uint64(FLAG_PINNED)) != 0
@@ -85,15 +88,16 @@ class BlockMetas:
 
     # ---------------------------------------------------------------- lifetimes
     def reserve(self, offset: int, digest: bytes, length: int, owner: int) -> None:
-        """FREE -> RESERVED in one write of the whole meta (flags 0: a new lifetime is not pinned)."""
+        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned)."""
         m = self.meta_off(offset)
         word = U64.unpack_from(self.mm, m)[0]
-        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0) + b"\0"
+        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0,
+                                                    length_flags(length))
 
     def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
         """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
 
-        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths.
+        `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths (u64).
         The word (state RESERVED, next sequence) is written first: a reader still
         holding the old LIVE word then fails validation before digest or length
         change. A crash midway leaves RESERVED blocks of a dead or absent owner,
@@ -101,10 +105,11 @@ class BlockMetas:
         """
         g = np.asarray(offsets, dtype=np.int64) >> self.shift
         q = self.meta_q
-        q[g, 0] = next_words(q[g, 0], RESERVED)
-        q[g, 1] = dig[:, 0]
-        q[g, 2] = dig[:, 1]
-        q[g, 3] = lengths | np.uint64(owner << _OWNER_SHIFT)  # ref 0, flags 0 (a new lifetime is not pinned)
+        q[g, _WORD] = next_words(q[g, _WORD], RESERVED)
+        q[g, _D0] = dig[:, 0]
+        q[g, _D1] = dig[:, 1]
+        flags = length_flags(lengths) << np.uint64(_FLAGS_SHIFT)
+        q[g, _TAIL] = lengths | flags | np.uint64(owner << _OWNER_SHIFT)  # ref 0; flags: the check, not pinned
 
     def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, crash_point) -> None:
         """A kept block (LIVE, ours, unindexed) starts a new lifetime: the word first, then the rest."""
@@ -114,7 +119,7 @@ class BlockMetas:
         # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
         # before packing, and the live check, which reads this meta without the class lock we do not
         # hold here, would see a RESERVED block owned by nobody.
-        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0) + b"\0"  # flags 0: not pinned
+        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0, length_flags(length))  # not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""
@@ -126,5 +131,5 @@ class BlockMetas:
     def free_many(self, g: np.ndarray) -> None:
         """End the lifetimes of a batch of granules' blocks: every word first, then owner, ref and flags."""
         q = self.meta_q
-        q[g, 0] = next_words(q[g, 0], FREE)
-        q[g, 3] &= np.uint64(0xFFFFFFFF)  # owner, ref and flags 0; length kept
+        q[g, _WORD] = next_words(q[g, _WORD], FREE)
+        q[g, _TAIL] &= np.uint64(META_TAIL_LENGTH_MASK)  # owner, ref and flags 0; length kept (never read when FREE)

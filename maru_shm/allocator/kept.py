@@ -160,7 +160,7 @@ class KeptBlocks:
         loc = self.slabs.block_index(off)
         if loc is None or loc[1].cid != cid:
             return False
-        mword, _, length, mowner, _ = self.metas.read(off)
+        mword, _, length, mowner, _, _ = self.metas.read(off)
         return mword == word and mowner == owner and length <= loc[1].block
 
     def offer(self, info: ClassInfo, items: list, owner: int) -> list:

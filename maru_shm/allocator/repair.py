@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..format import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESERVED, SLAB_CLS, SLAB_NBLOCKS, UNIT_FREE,
-                      UNIT_HEAD, UNIT_TAIL)
+                      UNIT_HEAD, UNIT_TAIL, length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassTable
 from .freeruns import FreeRuns
@@ -91,11 +91,11 @@ class Repairer:
         for h in heads:
             for i in range(info.bps):
                 off = h * unit + i * info.block
-                word, d, length, owner, _ = self.metas.read(off)
+                word, d, length, owner, _, flags = self.metas.read(off)
                 state = word & 3
                 if state == FREE:
                     continue
-                if state not in (RESERVED, LIVE) or length > info.block:
+                if state not in (RESERVED, LIVE) or not length_sound(length, flags) or length > info.block:
                     damaged.add(off)
                 elif owner and self.host.slot_alive(owner):
                     continue  # a live writer's block (in flight or being unpublished): it settles it
@@ -165,7 +165,7 @@ class Repairer:
             loc = self.slabs.block_index(off)
             if loc is None:
                 continue
-            word, d, _, owner, _ = metas.read(off)
+            word, d, _, owner, _, _ = metas.read(off)
             if owner != dead_owner or word & 3 == FREE:
                 continue
             if word & 3 == LIVE and off not in unindexed:

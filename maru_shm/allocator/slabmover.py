@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import CLS_NSLABS, CLS_USED, FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL
+from ..format import (CLS_NSLABS, CLS_USED, FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE,
+                      UNIT_HEAD, UNIT_TAIL, length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
@@ -158,7 +159,7 @@ class SlabMover:
             gone[rest] = self.host.unpublish_many(halves, np.array([live[j][1] for j in rest], dtype=np.uint64),
                                                   np.array([live[j][2] for j in rest], dtype=np.uint64))
         evicted = int(gone.sum())
-        evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g)
+        evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g and n > 0)
         doomed = gone & valid
         if doomed.any():  # the window's evicted values strand what depends on them (relations.py)
             self.relations.doom(rows[doomed], orphaned[doomed])
@@ -218,16 +219,18 @@ class SlabMover:
         return moved
 
     def _live_blocks(self, slabs):
-        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs."""
+        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A
+        length its check refutes is damage: -1, so that the value is never copied (the copy would carry
+        the length with a new check), only evicted with its slab."""
         live, lengths, where = [], [], []
         unit = self.slabs.geo.unit_size
         for s, (h, info) in enumerate(slabs):
             for i in range(info.bps):
                 off = h * unit + i * info.block
-                word, d, length, _, _ = self.metas.read(off)
+                word, d, length, _, _, flags = self.metas.read(off)
                 if word & 3 == LIVE:
                     live.append((d, off, word))
-                    lengths.append(length)
+                    lengths.append(length if length_sound(length, flags) else -1)
                     where.append(s)
         return live, lengths, np.array(where, dtype=np.int64)
 

@@ -15,10 +15,12 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..errors import CorruptPoolError
-from ..format import (ENTRY_OFFSET_OFF, ENTRY_WORD_OFF, ENTRY_SIZE, ENTRY_STRUCT, SHARD_HEADER, SHARD_STRUCT, Geometry,
+from ..format import (ENTRY_COLS, ENTRY_COL_DIGEST, ENTRY_COL_OFFSET, ENTRY_COL_WORD, ENTRY_OFFSET_OFF, ENTRY_SIZE,
+                      ENTRY_STRUCT, ENTRY_WORD_OFF, SHARD_COUNT_OFF, SHARD_HEADER, SHARD_STRUCT, U32, Geometry,
                       shard_limit, store_u64)
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
+_D0, _D1, _WORD, _OFFSET = ENTRY_COL_DIGEST, ENTRY_COL_DIGEST + 1, ENTRY_COL_WORD, ENTRY_COL_OFFSET  # table columns
 ABSENT, UNDECIDED = -1, -2  # Index.probe: an empty slot ended the probe / the window ended it
 INSERT_WINDOW = 8  # insert_absent: slots after an occupied home slot searched for an empty one
 
@@ -59,8 +61,8 @@ class Index:
         self.mask = geo.shard_slots - 1
         self.limit = shard_limit(geo.shard_slots)
         self.shard_bytes = geo.shard_slots * ENTRY_SIZE
-        # every entry as a row of 4 u64 (digest lo, digest hi, word, offset): batch gathers and inserts
-        self.table = np.ndarray((self.nshards * self.slots, 4), dtype="<u8", buffer=mm, offset=self.off)
+        # every entry as a row of u64 (digest lo, digest hi, word, offset): batch gathers and inserts
+        self.table = np.ndarray((self.nshards * self.slots, ENTRY_COLS), dtype="<u8", buffer=mm, offset=self.off)
         self.smask_u = np.uint64(self.smask)
         self.mask_u = np.uint64(self.mask)
         self.slots_u = np.uint64(self.slots)
@@ -70,7 +72,7 @@ class Index:
         self.table = None
 
     def home_entries(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
-        """Entries (n, 4) in the home slots of digests given as u64 halves (take: no cast check of u64 rows)."""
+        """Entries (rows of u64) in the home slots of digests given as u64 halves (take: no cast check of u64 rows)."""
         return self.table.take((h0 & self.smask_u) * self.slots_u + (h1 & self.mask_u), axis=0)
 
     # -- addressing ---------------------------------------------------------
@@ -113,8 +115,8 @@ class Index:
         steps = np.arange(first_step, first_step + window, dtype=np.int64)
         r = base[:, None] + (((h1 & self.mask_u).astype(np.int64)[:, None] + steps) & self.mask)  # (n, window)
         e = self.table[r]
-        empty = e[:, :, 2] == 0
-        hit = ~empty & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
+        empty = e[:, :, _WORD] == 0
+        hit = ~empty & (e[:, :, _D0] == h0[:, None]) & (e[:, :, _D1] == h1[:, None])
         first = (empty | hit).argmax(axis=1)
         at = np.arange(n)
         return np.where(hit[at, first], r[at, first], np.where(empty[at, first], ABSENT, UNDECIDED))
@@ -125,7 +127,7 @@ class Index:
 
     def _set_count(self, shard: int, n: int) -> None:
         n &= 0xFFFFFFFF  # a damaged count + 1 wraps (shard repair recounts)
-        self.mm[self.off_hdr + shard * SHARD_HEADER:self.off_hdr + shard * SHARD_HEADER + 4] = n.to_bytes(4, "little")
+        U32.pack_into(self.mm, self.off_hdr + shard * SHARD_HEADER + SHARD_COUNT_OFF, n)  # one 4-byte store
 
     def _find_pos(self, shard: int, d: bytes):
         base = self.off + shard * self.shard_bytes
@@ -172,12 +174,12 @@ class Index:
         a batch they are a subset of, rows selected alike), computed before the locks were taken.
         """
         entries = self.table
-        counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
+        counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr + SHARD_COUNT_OFF,
                             strides=(SHARD_HEADER,))
         try:
             shards = shards.astype(np.int64, copy=False)
             slot, alone = plan if plan is not None else self.home_plan(shards, halves)
-            home_empty = entries[slot, 2] == 0
+            home_empty = entries[slot, _WORD] == 0
             ok = home_empty & alone
             target = slot
             away = np.flatnonzero(~home_empty & alone)
@@ -188,8 +190,8 @@ class Index:
                 r = (shards[away] * self.slots)[:, None] \
                     + (((h[:, 1] & self.mask_u).astype(np.int64)[:, None] + steps) & self.mask)
                 e = entries[r]
-                empty = e[:, :, 2] == 0
-                stop = empty | ((e[:, :, 0] == h[:, :1]) & (e[:, :, 1] == h[:, 1:]))
+                empty = e[:, :, _WORD] == 0
+                stop = empty | ((e[:, :, _D0] == h[:, :1]) & (e[:, :, _D1] == h[:, 1:]))
                 first = stop.argmax(axis=1)
                 at = np.arange(away.size)
                 free = empty[at, first]  # the key met an empty slot before any slot holding it
@@ -215,10 +217,10 @@ class Index:
                 sel, h, off, w = target[ok], halves[ok], offsets[ok], words[ok]
             else:
                 return ok
-            entries[sel, 0] = h[:, 0]
-            entries[sel, 1] = h[:, 1]
-            entries[sel, 3] = off
-            entries[sel, 2] = w  # publication: one aligned 8-byte store per entry
+            entries[sel, _D0] = h[:, 0]
+            entries[sel, _D1] = h[:, 1]
+            entries[sel, _OFFSET] = off
+            entries[sel, _WORD] = w  # publication: one aligned 8-byte store per entry
             if _cp.ARMED is not None:
                 _cp.hit("index.mid_insert")  # published, shard counts not yet raised
             touched = np.flatnonzero(add)
@@ -293,12 +295,12 @@ class Index:
         cols = ((h1 & self.mask_u).astype(np.int64)[:, None] + np.arange(32)) & self.mask  # (n, 32)
         r = (h0 & self.smask_u).astype(np.int64)[:, None] * self.slots + cols
         e = self.table[r]
-        vacant = e[:, :, 2] == 0
-        hit = ~vacant & (e[:, :, 0] == h0[:, None]) & (e[:, :, 1] == h1[:, None])
+        vacant = e[:, :, _WORD] == 0
+        hit = ~vacant & (e[:, :, _D0] == h0[:, None]) & (e[:, :, _D1] == h1[:, None])
         j = (vacant | hit).argmax(axis=1)
         absent = vacant[at, j] & ~hit[at, j]
         rows = r[at, j]
-        named = hit[at, j] & (j < 16) & (e[at, j, 2] == words) & (e[at, j, 3] == offsets)
+        named = hit[at, j] & (j < 16) & (e[at, j, _WORD] == words) & (e[at, j, _OFFSET] == offsets)
         idx = np.flatnonzero(named)
         if len(idx) > 1:  # an item named twice in the batch: its later copies are not removed again
             first = np.zeros(n, dtype=bool)
@@ -307,10 +309,10 @@ class Index:
         d = np.arange(1, 17, dtype=np.int64)
         pos = np.minimum(j[:, None] + d, 31)  # the 16 slots after each entry (clipped rows are not named)
         after = e[at[:, None], pos]
-        empty = after[:, :, 2] == 0
+        empty = after[:, :, _WORD] == 0
         first_empty = empty.argmax(axis=1)
         inside = d <= first_empty[:, None]  # the rest of the cluster, up to its first empty slot
-        dist = (cols[at[:, None], pos] - (after[:, :, 1] & self.mask_u).astype(np.int64)) & self.mask
+        dist = (cols[at[:, None], pos] - (after[:, :, _D1] & self.mask_u).astype(np.int64)) & self.mask
         win = r[at[:, None], pos]
         victims = np.sort(rows[named])
         clear = named & empty[at, first_empty] & ((dist < d) | _member(win, victims) | ~inside).all(axis=1)
@@ -324,9 +326,9 @@ class Index:
         removed = np.zeros(len(rows), dtype=bool)
         if clear.any():
             gone = rows[clear]
-            self.table[gone, 2] = 0  # the word first
-            self.table[gone[:, None], [0, 1, 3]] = 0
-            counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr,
+            self.table[gone, _WORD] = 0  # the word first
+            self.table[gone[:, None], [_D0, _D1, _OFFSET]] = 0
+            counts = np.ndarray((self.nshards,), dtype="<u4", buffer=self.mm, offset=self.off_hdr + SHARD_COUNT_OFF,
                                 strides=(SHARD_HEADER,))
             try:
                 drop = np.bincount(gone // self.slots, minlength=self.nshards)
@@ -339,7 +341,7 @@ class Index:
         for i in np.flatnonzero(alone).tolist():
             shard, hole = divmod(int(rows[i]), self.slots)
             size = int(first_empty[i])
-            cluster = (((hole + d[:size]) & self.mask).tolist(), (after[i, :size, 1] & self.mask_u).tolist())
+            cluster = (((hole + d[:size]) & self.mask).tolist(), (after[i, :size, _D1] & self.mask_u).tolist())
             self._delete_at(shard, hole, cluster)
             self._set_count(shard, max(0, self.count(shard) - 1))
             removed[i] = True
@@ -359,10 +361,10 @@ class Index:
             steps = np.arange(start, min(start + window, self.slots), dtype=np.int64)
             p = (hole + steps) & mask
             rows = self.table[base + p]
-            empty = np.flatnonzero(rows[:, 2] == 0)
+            empty = np.flatnonzero(rows[:, _WORD] == 0)
             cut = int(empty[0]) if len(empty) else len(p)
             pos = np.concatenate((pos, p[:cut]))
-            homes = np.concatenate((homes, (rows[:cut, 1] & self.mask_u).astype(np.int64)))
+            homes = np.concatenate((homes, (rows[:cut, _D1] & self.mask_u).astype(np.int64)))
             if len(empty):
                 break
             start += len(p)

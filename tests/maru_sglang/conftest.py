@@ -18,6 +18,7 @@ if _HERE not in sys.path:  # hicache_helpers must import by name, here and in sp
     sys.path.insert(0, _HERE)
 
 import hicache_helpers as hh  # noqa: E402
+from maru_shm import remove_pool  # noqa: E402
 
 
 @pytest.fixture
@@ -25,8 +26,7 @@ def pool_path():
     """A fresh pool file path under /dev/shm, removed afterwards."""
     path = hh.shm_path()
     yield path
-    if os.path.exists(path):
-        os.unlink(path)
+    remove_pool(path)
 
 
 @pytest.fixture

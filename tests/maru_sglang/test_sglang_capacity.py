@@ -14,10 +14,10 @@ pytest.importorskip("sglang", exc_type=ImportError,
                            "factory (pip install -r requirements.txt)")
 
 import logging  # noqa: E402
-import os  # noqa: E402
 
 from hicache_helpers import page_indices, prompt_keys  # noqa: E402
 import hicache_helpers as hh  # noqa: E402
+from maru_shm import remove_pool  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -110,4 +110,4 @@ def test_a_pool_created_for_larger_pages_warns_once_naming_the_knob(make_instanc
         assert not small.store.created and small.store.geo.granule == 1024
         assert knob_warnings() == []
     finally:
-        os.unlink(pool)
+        remove_pool(pool)

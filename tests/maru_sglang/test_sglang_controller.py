@@ -22,12 +22,13 @@ pools give (Mamba, DeepSeek-V4, DSA), fault injection, and tests of one method a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from maru_shm import remove_pool
 
 from . import hicache_helpers as hh
 
@@ -52,8 +53,7 @@ def test_sglangs_own_controller_across_two_processes(mode, tmp_path):
         a = _run("writer", pool, str(tmp_path), mode)
         b = _run("reader", pool, str(tmp_path), mode)
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)
     _built_by_sglang(mode, a)
     _backed_up_and_prefetched_byte_identical(a, b)
     _chained_longer_and_missing_prompts(a, b)
@@ -106,8 +106,7 @@ def test_a_hybrid_sliding_window_model_through_sglangs_assembler(tmp_path):
         a = _run("swa_writer", pool, str(tmp_path), "v1")
         b = _run("swa_reader", pool, str(tmp_path), "v1")
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)
     assert a["controller"] == "HybridCacheController" and a["pools"] == "swa 8.0 KiB"
     assert (a["p_done"], a["q_done"]) == (128, 96)
     assert a["stats"]["swa"]["sets"] == 2  # P's window of 2 pages, Q none
@@ -126,8 +125,7 @@ def test_a_tiny_models_1_kib_pages_fill_the_pool_before_its_index(tmp_path):
     try:
         r = _run("tiny_prompt", pool, str(tmp_path), "v1")
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)
     assert r["page_bytes"] == 1024 and r["done"] == 8192
     assert r["evictions"] == 0
     assert r["stored"] == 8192 and r["hit"] == 8192

@@ -23,14 +23,13 @@ test_sglang_controller.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("sglang", exc_type=ImportError,
                     reason="sglang cannot be imported: this test runs SGLang 0.5.23's serving engine")
 
 import hicache_helpers as hh  # noqa: E402
+from maru_shm import remove_pool  # noqa: E402
 from tools.demo import four_prompts, report  # noqa: E402
 from tools.serving import Model, ServerSpec  # noqa: E402
 
@@ -46,8 +45,7 @@ def test_a_second_server_answers_from_the_pool_with_the_same_tokens(tmp_path, ca
     try:
         run = four_prompts(spec, tokens=512, new_tokens=8, log_dir=str(tmp_path))
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)
     r = run.replies
     report(run, SMALL.describe(), 512)
     print(capsys.readouterr().out)

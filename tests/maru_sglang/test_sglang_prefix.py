@@ -7,8 +7,6 @@ Calls go to MaruStorage's v1 methods with SGLang's own HiCacheStorageExtraInfo.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("sglang", exc_type=ImportError,
@@ -19,6 +17,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa
 
 from hicache_helpers import page_indices, prompt_keys  # noqa: E402
 import hicache_helpers as hh  # noqa: E402
+from maru_shm import remove_pool  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -103,7 +102,7 @@ def test_a_suffix_whose_prefix_is_gone_goes_first(make_instance, pool_path):
                        for k in kept)
         evictions = st.stats()["evictions"]
         backend.close()
-        os.unlink(f"{pool_path}-{on}")
+        remove_pool(f"{pool_path}-{on}")
         assert evictions > BATCH
         if on:
             assert orphans_left == 0 and stranded == 0  # the orphans went first; chains lose tails, not heads

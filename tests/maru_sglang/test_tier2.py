@@ -19,6 +19,7 @@ pytest.importorskip("sglang", exc_type=ImportError,
                            "factory (pip install -r requirements.txt)")
 
 import hicache_helpers as hh  # noqa: E402
+from maru_shm import remove_pool  # noqa: E402
 import mooncake_cluster as mc  # noqa: E402
 from hicache_helpers import digests, page_bytes, page_indices, prompt_keys  # noqa: E402
 
@@ -48,8 +49,7 @@ def pools():
 
     yield new
     for p in made:
-        if os.path.exists(p):
-            os.unlink(p)
+        remove_pool(p)
         shutil.rmtree(p + ".tier2", ignore_errors=True)
 
 

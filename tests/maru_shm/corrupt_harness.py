@@ -36,16 +36,16 @@ import zlib
 
 import numpy as np
 
-from maru_shm import LockTimeout, Store, StoreError, chain_relations
+from maru_shm import LockTimeout, Store, StoreError, chain_relations, remove_pool
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT,
                              DOOM_ENTRIES, DOOM_SIZE, ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE, RELATION_SIZE,
                              LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY,
                              SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE,
-                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry)
+                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry, length_sound)
 from maru_shm.index import key_digest
 from maru_shm.poolview import PoolView, report
 
-from ..conftest import check_value, make_value
+from ..conftest import check_value, make_value, write_pool_image
 
 LOCK_TIMEOUT = 0.2
 OP_BOUND = 3.0        # no single operation on a 2 MiB pool may take longer (generous: CI is loaded)
@@ -143,10 +143,7 @@ def template() -> Template:
     if _TEMPLATE is not None:
         return _TEMPLATE
     path = f"/dev/shm/maru-fuzz-template-{os.getpid()}"
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    remove_pool(path)
     try:
         values = {}
         with Store.open(path, POOL_SIZE, create=True, **GEOMETRY) as s:
@@ -176,10 +173,7 @@ def template() -> Template:
         with open(path, "rb") as f:
             image = f.read()
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        remove_pool(path)
     geo = Geometry.read(image, len(image))
     _TEMPLATE = Template(image, geo, values, blocks)
     return _TEMPLATE
@@ -241,8 +235,9 @@ def changed_ranges(t: Template, img) -> np.ndarray:
 
 def tainted_keys(t: Template, img) -> set:
     """Keys whose stored representation the corruption touched, so a read may legitimately return wrong
-    bytes for them (the format has no payload checksum): their data bytes, their meta length, or a meta
-    elsewhere now claiming their digest with state LIVE (a forged block)."""
+    bytes for them (the format has no payload checksum): their data bytes, their meta length changed to
+    one that agrees with its check (the meta flags: one bit flipped never does), or a meta elsewhere now
+    claiming their digest with state LIVE (a forged block)."""
     g = t.geo
     diff = changed_ranges(t, img)
     out = set()
@@ -253,7 +248,8 @@ def tainted_keys(t: Template, img) -> set:
         if ((diff >= lo) & (diff < lo + length)).any():
             out.add(k)
         m = g.off_blockmeta + (off // g.granule) * META_SIZE
-        if ((diff >= m + 24) & (diff < m + 28)).any():
+        new_length, new_flags = META_STRUCT.unpack_from(img, m)[2::3]
+        if new_length != length and length_sound(new_length, new_flags):
             out.add(k)
     # only a meta record the corruption changed can newly claim a key's digest
     lo, hi = g.off_blockmeta, g.off_blockmeta + g.n_granules * META_SIZE
@@ -369,11 +365,13 @@ def _judge(t: Template, old: bytes, new: bytes, name, idx, fields):
             return True if b[0] & 3 != FREE else False  # a FREE meta's counter and leftovers are free to vary
         if a[0] != b[0] or a[1] != b[1]:
             return True
+        if not length_sound(b[2], b[5]):
+            return True  # a length its check refutes
         if a[3] != b[3]:
             return None  # owner: names a dead slot (reported) or this checking process (legitimate)
         if a[2] != b[2]:
-            return None  # length: reported only past the block size
-        return False  # ref bit
+            return None  # a length that agrees with its changed check: reported only past the block size
+        return False  # ref bit, pinned bit
     return None
 
 
@@ -640,11 +638,7 @@ class CaseRunner:
 
     def run(self, img, tainted: set, tag: str) -> dict:
         path = f"/dev/shm/maru-fuzz-{os.getpid()}-{tag}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, img)
-        finally:
-            os.close(fd)
+        write_pool_image(path, img)
         try:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
@@ -654,10 +648,7 @@ class CaseRunner:
             self.stop()
             return {"crash": f"the fuzz helper failed: {e!r}", "bad": [], "errors": []}
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_pool(path)
 
 
 _RUNNER = CaseRunner()

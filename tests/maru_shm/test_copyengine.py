@@ -317,3 +317,57 @@ def test_any_batch_copies_exactly_its_pieces(batch, period, threads):
         finally:
             engine.close()
     assert np.array_equal(dst, want)
+
+
+def test_an_exception_at_any_line_of_a_threaded_batch_waits_for_the_workers():
+    """A KeyboardInterrupt at each line event of the caller's part of a threaded batch in turn (as Ctrl-C
+    lands between two bytecodes): when `run` raises, no worker still copies a piece (the caller gives the
+    batch's blocks back next, and a later writer may reuse them), the workers stay usable, and the next
+    batch copies exactly its pieces."""
+    import sys
+
+    root = copyengine.__file__
+
+    def tracer_at(n, seen):
+        def local(frame, event, arg):
+            if event == "line":
+                seen[0] += 1
+                if seen[0] == n:
+                    raise KeyboardInterrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
+            return local
+        return lambda frame, event, arg: local if frame.f_code.co_filename == root else None
+
+    src, dst = _buffers(32 << 20, seed=11)
+    d_off, s_off, nb = _scattered_plan(32 << 20, 1 << 20, seed=11)
+    engine = _always_free(CopyEngine(3))
+    outer = sys.gettrace()
+    try:
+        engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)  # starts the workers
+        seen = [0]
+        sys.settrace(tracer_at(None, seen))
+        try:
+            engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+        finally:
+            sys.settrace(outer)
+        events, interrupted = seen[0], 0
+        assert events > 20, events
+        for n in range(1, events + 1):
+            sys.settrace(tracer_at(n, [0]))
+            try:
+                engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+            except KeyboardInterrupt as e:
+                sys.settrace(outer)
+                interrupted += 1
+                assert engine.in_flight() == 0, f"a worker still copies after the interrupt at {e}"
+                assert not engine._use.locked(), f"the workers stay taken after the interrupt at {e}"
+            finally:
+                sys.settrace(outer)
+            dst[:] = 0
+            engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+            assert np.array_equal(dst, _expected(src, dst * 0, d_off, s_off, nb)), n
+        # The caller's share of the pieces, and so its line events, varies with the workers' timing.
+        assert interrupted >= events // 3, (interrupted, events)
+        assert engine.batches_threaded > events // 2
+    finally:
+        sys.settrace(outer)
+        engine.close()

@@ -8,8 +8,8 @@ corrupt_harness.scenario). A case fails when
 - the child crashes (a signal: a raw copy outside the mapping) or hangs (past CASE_TIMEOUT);
 - any operation raises something that is not a maru_shm StoreError with a message, or a LockTimeout
   (one process alone can only wait on itself), or takes longer than OP_BOUND;
-- a read returns bytes that are not a value of the key (except for a key whose own data bytes or
-  meta length were hit: the format has no payload checksum);
+- a read returns bytes that are not a value of the key (except for a key whose own data bytes were hit,
+  or whose meta length was changed to one its check agrees with: the format has no payload checksum);
 - open succeeds although the superblock or its state word changed, or the file is truncated;
 - the first check() misses structural damage (corrupt_harness._judge says which fields check()
   verifies) or reports problems for benign changes (CLOCK bits, hints, counters, payload bytes);
@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from maru_shm import CorruptPoolError, Store
-from maru_shm.format import (CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, SLAB_ENTRY, STATE_OFF, U32, UNIT_FREE,
-                             UNIT_HEAD)
+from maru_shm.format import (CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, META_FLAGS_OFF, SLAB_ENTRY, STATE_OFF, U32,
+                             UNIT_FREE, UNIT_HEAD, length_flags)
 from maru_shm.index import key_digest
 
 from . import corrupt_harness as H
@@ -234,6 +234,8 @@ PINNED = [
                                                            # was no block start of its class (overlapped k9)
     [("xor", 57369, 4)],                                   # meta length past the block, then overwritten:
                                                            # kept for reuse, and repair spared its owner
+    [("xor", 59512, 8)],                                   # k32's length 3000 -> 2992 (bit 3): wrong bytes
+    [("xor", 57503, 2)],                                   # k24's length check, one bit: must miss
 ]
 
 
@@ -588,6 +590,7 @@ def test_repair_drops_entries_a_reader_would_refuse(pool_path):
         off = _block_of(s, "r3")
         m = s.alloc.meta_off(off)
         _u32(s, m + 24, 1 << 20)  # length far beyond the block
+        s.mm[m + META_FLAGS_OFF] = length_flags(1 << 20)  # with a check that agrees
         assert s.get("r3") is None
         s.check(repair=True)
         assert s.check().ok, s.check().problems

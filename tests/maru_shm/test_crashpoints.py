@@ -120,7 +120,7 @@ def leaked_blocks(s: Store) -> list[str]:
         info = a.classes[int(a.clsfield[h])]
         for i in range(info.bps):
             off = h * g.unit_size + i * info.block
-            word, d, length, owner, _ = META_STRUCT.unpack_from(s.mm, a.meta_off(off))
+            word, d, length, owner, _, _ = META_STRUCT.unpack_from(s.mm, a.meta_off(off))
             if word & 3 == FREE or (off in ours and owner == s.slot + 1):
                 continue
             if word & 3 != LIVE or s.index.find(d) != (word, off) or owner:

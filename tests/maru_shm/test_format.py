@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from maru_shm import (CorruptPoolError, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
+from maru_shm import (CorruptPoolError, remove_pool, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
                       StoreError, TruncatedPoolError, VersionError)
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
                              META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
@@ -338,10 +338,7 @@ def test_racing_creators_make_one_pool(pool_path, children, n):
                 assert s.geo.pool_uuid == results[0][1:]
                 assert s.check().ok
         finally:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            remove_pool(path)
 
 
 # ---------------------------------------------------------------- unfinished files
@@ -473,3 +470,75 @@ def test_creating_a_pool_larger_than_its_tmpfs_fails_cleanly(small_tmpfs):
     with Store.open(path, "8M", create=True) as s:  # a size that fits is created and fully backed
         assert os.stat(path).st_blocks * 512 >= s.geo.file_size
         assert s.put("k", bytes(1 << 20))
+
+
+# Every field of every mapped record at the offset (and of the size) docs/FORMAT.md gives it, reserved bytes
+# included: the records are declared once in format.py, with offsets that follow from the field sizes, so
+# this table is what keeps an edit there from moving a field silently. (record, size, [(field, offset,
+# bytes)]), FORMAT.md sections 2, 3, 4, 5, 6, 7 and 10.
+FORMAT_TABLES = [
+    ("SUPERBLOCK_LAYOUT", 4096, [
+        ("magic", 0, 8), ("version", 8, 4), ("flags", 12, 4), ("file_size", 16, 8), ("granule", 24, 4),
+        ("unit_size", 28, 4), ("n_units", 32, 4), ("n_geo_classes", 36, 4), ("class_cap", 40, 4),
+        ("proc_slots", 44, 4), ("index_shards", 48, 4), ("shard_slots", 52, 4), ("max_value", 56, 8),
+        ("n_granules", 64, 8), ("off_locks", 72, 8), ("off_classes", 80, 8), ("off_procs", 88, 8),
+        ("off_slabs", 96, 8), ("off_shards", 104, 8), ("off_index", 112, 8), ("off_blockmeta", 120, 8),
+        ("off_data", 128, 8), ("data_bytes", 136, 8), ("created_ns", 144, 8), ("pool_uuid", 152, 16),
+        ("reserved_immutable", 168, 84), ("checksum", 252, 4), ("state", 256, 4), ("slab_hand", 260, 4),
+        ("classes_version", 264, 4), ("reserved_268", 268, 4), ("retired", 272, 128), ("demand_epoch", 400, 4),
+        ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("doom_cursor", 420, 4),
+        ("heals", 424, 8), ("lock_boot", 432, 16), ("reserved_tail", 448, 3648)]),
+    ("LOCK_LAYOUT", 8, [("dirty", 0, 4), ("op", 4, 4)]),
+    ("CLASS_LAYOUT", 64, [
+        ("kind", 0, 4), ("slab_units", 4, 4), ("block_size", 8, 8), ("blocks_per_slab", 16, 4),
+        ("partial_head", 20, 4), ("nslabs", 24, 4), ("used_blocks", 28, 4), ("declared_ns", 32, 8), ("hand", 40, 8),
+        ("demand", 48, 8), ("demand_epoch", 56, 4), ("related", 60, 4)]),
+    ("SLAB_LAYOUT", 64, [
+        ("state", 0, 4), ("cls", 4, 4), ("next", 8, 4), ("prev", 12, 4), ("nfree", 16, 4), ("nblocks", 20, 4),
+        ("ref", 24, 1), ("in_partial", 25, 1), ("reserved_26", 26, 6), ("bitmap", 32, 32)]),
+    ("META_LAYOUT", 32, [
+        ("word", 0, 8), ("digest", 8, 16), ("length", 24, 4), ("owner", 28, 2), ("ref", 30, 1), ("flags", 31, 1)]),
+    ("SHARD_LAYOUT", 16, [("count", 0, 4), ("hand", 4, 4), ("reserved_8", 8, 8)]),
+    ("ENTRY_LAYOUT", 32, [("digest", 0, 16), ("word", 16, 8), ("offset", 24, 8)]),
+    ("PROC_LAYOUT", 128, [
+        ("state", 0, 4), ("pid", 4, 4), ("start_ticks", 8, 8), ("attach_ns", 16, 8), ("uid", 24, 4),
+        ("reserved_28", 28, 4), ("counters", 32, 96)]),
+]
+
+
+@pytest.mark.parametrize("record,size,fields", FORMAT_TABLES, ids=[t[0] for t in FORMAT_TABLES])
+def test_every_field_of_a_record_sits_where_format_md_puts_it(record, size, fields):
+    from maru_shm import format as F
+    from maru_shm.records import field_off, field_size
+    layout = getattr(F, record)
+    assert layout.itemsize == size
+    assert list(layout.names) == [f for f, _, _ in fields], "a field added, removed or reordered"
+    for name, off, nbytes in fields:
+        assert (field_off(layout, name), field_size(layout, name)) == (off, nbytes), name
+    assert fields[-1][1] + fields[-1][2] == size and all(  # every byte belongs to one field
+        a[1] + a[2] == b[1] for a, b in zip(fields, fields[1:]))
+
+
+def test_the_constants_and_structs_every_reader_uses_follow_the_declarations():
+    """A sample of the derived names, at FORMAT.md's values, and each struct covering its fields."""
+    from maru_shm import format as F
+    assert (F.CHECKSUM_OFF, F.STATE_OFF, F.SLAB_HAND_OFF, F.CLASSES_VERSION_OFF, F.RETIRED_OFF, F.DEMAND_EPOCH_OFF,
+            F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.DOOM_CURSOR_OFF, F.HEALS_OFF) == (
+        252, 256, 260, 264, 272, 400, 408, 416, 420, 424)
+    assert (F.CLS_KIND, F.CLS_K, F.CLS_BLOCK, F.CLS_BPS, F.CLS_PARTIAL, F.CLS_NSLABS, F.CLS_USED, F.CLS_DECLARED,
+            F.CLS_HAND, F.CLS_DEMAND, F.CLS_DEMAND_EPOCH, F.CLS_RELATED) == (
+        0, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56, 60)
+    assert (F.SLAB_STATE, F.SLAB_CLS, F.SLAB_NEXT, F.SLAB_PREV, F.SLAB_NFREE, F.SLAB_NBLOCKS, F.SLAB_REF,
+            F.SLAB_INPARTIAL, F.SLAB_BITMAP, F.BITMAP_BYTES) == (0, 4, 8, 12, 16, 20, 24, 25, 32, 32)
+    assert (F.META_DIGEST_OFF, F.META_LENGTH_OFF, F.META_OWNER_OFF, F.META_REF_OFF, F.META_FLAGS_OFF) == (
+        8, 24, 28, 30, 31)
+    assert (F.META_COL_WORD, F.META_COL_DIGEST, F.META_COL_TAIL, F.META_TAIL_OWNER_SHIFT, F.META_TAIL_REF_SHIFT,
+            F.META_TAIL_FLAGS_SHIFT) == (0, 1, 3, 32, 48, 56)
+    assert (F.ENTRY_WORD_OFF, F.ENTRY_OFFSET_OFF, F.ENTRY_COL_DIGEST, F.ENTRY_COL_WORD, F.ENTRY_COL_OFFSET) == (
+        16, 24, 0, 2, 3)
+    assert (F.PROC_COUNTERS_OFF, F.COUNTER_SIZE, F.LOCK_COL_DIRTY, F.LOCK_COL_OP, F.SHARD_COUNT_OFF) == (32, 8, 0, 1, 0)
+    assert F.HEADER_READY_END == 260
+    formats = {"SUPERBLOCK": "<8sIIQIIIIIIIIQQQQQQQQQQQQ16s", "LOCK_RECORD": "<II", "CLASS_STRUCT": "<IIQIIIIQ",
+               "PROC_HEAD": "<IIQQI", "COUNTERS": "<12Q", "SLAB_HEAD": "<IIIIII", "SHARD_STRUCT": "<II",
+               "ENTRY_STRUCT": "<16sQQ", "META_STRUCT": "<Q16sIHBB"}
+    assert {name: getattr(F, name).format for name in formats} == formats

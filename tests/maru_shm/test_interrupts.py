@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import maru_shm
-from maru_shm import Store
+from maru_shm import Store, copyengine, remove_pool
 from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
 from ..conftest import make_value, reserve, value_version
@@ -207,6 +207,59 @@ def test_interrupts_long_run(pool_path):
     assert figures["interrupts"] > runs * 0.8, figures
 
 
+BIG = [f"big{i}" for i in range(6)]  # 6 x 512 KiB: a batch the copy engine shares with its workers
+
+
+def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, monkeypatch):
+    """The caller of a batch that the copy engine shares with worker threads is interrupted at a random line
+    event of maru_shm (the workers run on): when the call raises, no worker still copies into the batch's
+    blocks (they are given back next, and another writer may take them), no lock is held, and after every
+    key is deleted nothing is reserved or held; no read returns bytes of another value."""
+    rng, model, outer = random.Random(39), _Model(), sys.gettrace()
+    s = Store.open(pool_path, "32M", create=True, max_value="1M", copy_threads=3, timeout=5.0)
+    s.engine.cores.free = lambda: s.engine.threads  # every core idle: the threaded path is the one under test
+    monkeypatch.setattr(copyengine, "BACKOFF", 0)  # and workers a loaded machine leaves unscheduled keep it so
+    outs = [bytearray(512 << 10) for _ in BIG]
+
+    def work():
+        values = [model.value(k, 512 << 10) for k in BIG]
+        for k, v, ok in zip(BIG, values, s.batch_put(BIG, values)):
+            if ok:
+                model.stored(k, v)
+        for k, buf, n in zip(BIG, outs, s.batch_get_into(BIG, outs)):
+            model.read(k, None if n is None else buf[:n])
+    interrupts, events = 0, []
+    try:
+        for run in range(121):
+            n = None if run == 0 else rng.randint(1, max(events))
+            tracer, seen = _tracer(n, [], False)
+            where = "nowhere"
+            sys.settrace(tracer)
+            try:
+                work()
+                events = events[-5:] + [seen[0]]
+            except KeyboardInterrupt as e:
+                where, interrupts = str(e), interrupts + 1
+            finally:
+                sys.settrace(outer)
+            assert s.engine.in_flight() == 0, f"a worker still copies after the interrupt at {where}"
+            assert not model.wrong, (where, model.wrong)
+            assert _a_lock_held_by_anyone(pool_path) is None, where
+        _repair_dirty_domains(s)
+        assert s.check().ok
+        for k in BIG:
+            model.read(k, s.get(k))
+            s.delete(k)
+        assert not model.wrong, model.wrong
+        s.alloc.free_kept()
+        st = s.stats()
+        assert (st["reserved_blocks"], st["held_blocks"], st["live_blocks"]) == (0, 0, 0), st
+        assert interrupts > 100 and s.engine.batches_threaded > 20, (interrupts, s.engine.batches_threaded)
+    finally:
+        sys.settrace(outer)
+        s.close()
+
+
 def test_check_reports_blocks_this_process_owns_but_holds_nowhere(open_store, pool_path):
     """Blocks a live process owns are in flight to everyone else; only that process knows whether something
     in it still holds them. Its check() reports those nothing holds, check(repair=True) settles them, and
@@ -303,7 +356,7 @@ def measure(runs: int, seed: int) -> dict:
         out.update(reserved_after=st["reserved_blocks"], held_after=st["held_blocks"], wrong_reads=len(model.wrong))
         signal.alarm(0)
         s.close()
-        os.unlink(path)
+        remove_pool(path)
     except Hang:
         out["hang"] = f"run {run}, after {out['interrupts']} interrupts"
     return out

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from maru_shm import LockTimeout, Store, StoreError
+from maru_shm import LockTimeout, PoolInUseError, Store, StoreError
 from maru_shm import locks as locks_mod
-from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE,
-                             SLAB_NFREE, SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
+from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
+                             LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
+from maru_shm.lockfile import lock_file_path
 
 from ..conftest import assert_clean, reserve, value_version
 
@@ -25,12 +26,12 @@ BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must sti
 
 
 def descriptions_of(path) -> int:
-    """How many of this process's descriptors are open on the pool file. Counting only these keeps the
-    test blind to descriptors of earlier tests' garbage, which any collection may close."""
-    target, n = os.path.realpath(path), 0
+    """How many of this process's descriptors are open on the pool file or its lock file. Counting only
+    these keeps the test blind to descriptors of earlier tests' garbage, which any collection may close."""
+    targets, n = {os.path.realpath(path), os.path.realpath(lock_file_path(path, False))}, 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == target
+            n += os.readlink(f"/proc/self/fd/{fd}") in targets
         except OSError:  # the listing's own descriptor, gone once listed
             pass
     return n
@@ -140,6 +141,40 @@ def test_init_lock_timeout_on_open(open_store, pool_path, children):
     children.kill(pid)
     with Store.open(pool_path, timeout=TIMEOUT) as s:
         assert_clean(s)
+
+
+def _wait_for_a_held_lock(wait, path, store):
+    """One of the store's timed lock waits, each against a lock another process holds."""
+    from maru_shm import check_pool, destroy_pool
+    if wait == "open":  # poolfile: INIT, while a creator formats
+        Store.open(path, timeout=TIMEOUT)
+    elif wait == "section":  # locks.LockTable: a section lock of a put
+        store.put("victim", b"x" * 100)
+    elif wait == "check":  # livecheck: a shared lock of the live check
+        check_pool(path, timeout=TIMEOUT)
+    else:  # admin: PROC, while destroy decides
+        destroy_pool(path, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("wait, lock", [("open", "INIT"), ("section", "SHARD"), ("check", "CLASSTAB"),
+                                        ("destroy", "PROC")])
+def test_every_lock_wait_times_out_with_lock_timeout(open_store, pool_path, children, wait, lock):
+    """One wait (lockwait): every timed wait for a lock ends in LockTimeout naming the lock, never another
+    error and never a hang."""
+    s = open_store("8M", timeout=TIMEOUT)
+    lock_id = {"INIT": LOCK_INIT, "PROC": LOCK_PROC, "CLASSTAB": LOCK_CLASSTAB,
+               "SHARD": SHARD_LOCK_BASE + s.index.shard_of(key_digest("victim"))}[lock]
+    pid = _start(children, _hold_lock, pool_path, lock_id, True)
+    t0 = time.monotonic()
+    with pytest.raises(LockTimeout, match=lock):
+        _wait_for_a_held_lock(wait, pool_path, s)
+    assert time.monotonic() - t0 < BOUND
+    children.kill(pid)
+    if wait == "destroy":  # the lock is free: destroy decides, and finds this test's store attached
+        with pytest.raises(PoolInUseError):
+            _wait_for_a_held_lock(wait, pool_path, s)
+    else:
+        _wait_for_a_held_lock(wait, pool_path, s)
 
 
 def test_threads_of_one_process_exclude_each_other(open_store):
@@ -567,8 +602,8 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
 
 def _a_lock_held_by_anyone(path) -> str | None:
     """Name of the lowest lock with a record that some open file description holds, seen from a description
-    of our own (F_OFD_GETLK over every id at once); None if none is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
+    fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
     try:
         res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, locks_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
     finally:

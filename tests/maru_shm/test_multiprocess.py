@@ -30,7 +30,7 @@ import traceback
 import numpy as np
 import pytest
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 from maru_shm.index import key_digest
 
 from ..conftest import (HEADER_SIZE, assert_clean, check_value, make_value, read_notes as _notes,
@@ -216,7 +216,7 @@ def test_shared_pool_mixed_workload(instance, testrun_uid, tmp_path_factory, tmp
             finally:
                 store.close()
                 if last:
-                    os.unlink(path)
+                    remove_pool(path)
                 fcntl.flock(lock, fcntl.LOCK_UN)
     finally:
         lock.close()

@@ -25,6 +25,8 @@ import traceback
 import pytest
 
 from maru_shm import PermissionDeniedError, Store
+from maru_shm.access import lock_file_mode
+from maru_shm.lockfile import lock_file_path, open_lock_file
 
 from ..conftest import check_value, make_value
 
@@ -95,6 +97,17 @@ def as_user(fn, *args, uid: int, gid: int, groups=()):
     return out[1]
 
 
+def give(path, uid=-1, gid=-1, mode=None):
+    """chown (and chmod) a pool as its owner would: the pool file and its lock file, whose mode follows the
+    pool's (only the pool's writers may reach its locks)."""
+    lock = lock_file_path(path, False)
+    for p in (path, lock):
+        os.chown(p, uid, gid)
+    if mode is not None:
+        os.chmod(path, mode)
+        os.chmod(lock, lock_file_mode(mode))
+
+
 # ---------------------------------------------------------------- what the child does
 
 def _use_pool(path):
@@ -148,7 +161,7 @@ def test_group_mode_lets_a_group_member_use_the_pool(pool_path, ids):
     uid, share_gid, own_gid, _ = ids
     with Store.open(pool_path, "8M", create=True, mode=0o660) as s:
         assert s.put("from-owner", make_value("from-owner", 1, 3000))
-    os.chown(pool_path, -1, share_gid)  # the group the pool is shared with
+    give(pool_path, gid=share_gid)  # the group the pool is shared with
     got, euid, egid = as_user(_use_pool, pool_path, uid=uid, gid=own_gid, groups=[share_gid])
     assert (euid, egid) == (uid, own_gid)  # really another user, whose primary group is not the pool's
     assert check_value("from-owner", got)
@@ -169,7 +182,7 @@ def test_group_mode_member_attached_alongside_the_owner(pool_path, ids):
             return int.from_bytes(s.mm[o + 24:o + 28], "little"), s.stats()["processes"]
 
     with Store.open(pool_path, "8M", create=True, mode=0o660) as s:
-        os.chown(pool_path, -1, share_gid)
+        give(pool_path, gid=share_gid)
         recorded_uid, procs = as_user(member, pool_path, uid=uid, gid=own_gid, groups=[share_gid])
         assert recorded_uid == uid and procs == 2
         assert check_value("m", s.get("m"))
@@ -232,8 +245,7 @@ def test_pool_of_another_user_open_to_everyone_is_refused(pool_path, ids, mode):
     uid, share_gid, own_gid, other_uid = ids
     with Store.open(pool_path, "8M", create=True) as s:
         assert s.put("from-owner", make_value("from-owner", 1, 3000))
-    os.chown(pool_path, uid, share_gid)
-    os.chmod(pool_path, mode)
+    give(pool_path, uid, share_gid, mode)
     with pytest.raises(PermissionDeniedError, match="open to every user"):
         as_user(_open_only, pool_path, uid=other_uid, gid=own_gid, groups=[share_gid])
     assert check_value("from-owner", as_user(lambda p: _open_only(p, allow_foreign_owner=True), pool_path,
@@ -322,20 +334,23 @@ def test_private_opener_refuses_its_own_pool_that_others_can_write(pool_path, fm
             pass
 
 
-# ---------------------------------------------------------------- DAX side lock file
+# ---------------------------------------------------------------- the lock file (a DAX device's, here)
 
 def _fake_dax(tmp_path, monkeypatch, name="dax97.3"):
-    """A stand-in for /dev/daxN.M: the side lock file logic runs on its name only."""
-    from maru_shm import poolfile
-    lock = poolfile.side_lock_path(f"/dev/{name}")
+    """A stand-in for /dev/daxN.M: the lock file logic runs on its name only."""
+    lock = lock_file_path(f"/dev/{name}", True)
     if os.path.lexists(lock):
         os.unlink(lock)
     return f"/dev/{name}", lock
 
 
+def open_side_lock(dev, mode):
+    """The checked opener, making a device's lock file as a creator does."""
+    return open_lock_file(dev, True, mode, create=True)[0]
+
+
 @needs_root
 def test_side_lock_file_of_another_user_is_refused(ids, tmp_path, monkeypatch):
-    from maru_shm.poolfile import open_side_lock
     uid, share_gid, own_gid, _ = ids
     dev, lock = _fake_dax(tmp_path, monkeypatch)
     try:
@@ -355,7 +370,6 @@ def test_side_lock_file_of_another_user_is_refused(ids, tmp_path, monkeypatch):
 
 
 def test_side_lock_file_that_is_a_symlink_or_fifo_is_refused(tmp_path, monkeypatch):
-    from maru_shm.poolfile import open_side_lock
     dev, lock = _fake_dax(tmp_path, monkeypatch)
     try:
         os.symlink(tmp_path / "elsewhere", lock)
@@ -373,8 +387,7 @@ def test_side_lock_file_that_is_a_symlink_or_fifo_is_refused(tmp_path, monkeypat
 
 def test_a_character_device_that_is_not_dax_leaves_no_lock_file():
     from maru_shm import StoreError
-    from maru_shm.poolfile import side_lock_path
-    lock = side_lock_path("/dev/null")
+    lock = lock_file_path("/dev/null", True)
     if os.path.lexists(lock):
         os.unlink(lock)
     with pytest.raises(StoreError, match="DAX"):

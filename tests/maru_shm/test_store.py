@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maru_shm import PoolClosedError, Store, ValueTooLargeError
-from maru_shm.format import COUNTER_NAMES, ENTRY_STRUCT
+from maru_shm.format import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, check_value, make_value
@@ -303,6 +303,7 @@ def test_block_meta_length_beyond_the_block_is_a_miss(store):
     off = store.index.find(key_digest("k"))[1]
     m = store.alloc.meta_off(off)
     store.mm[m + 24:m + 28] = (store.geo.data_bytes).to_bytes(4, "little")  # runs past the data area
+    store.mm[m + META_FLAGS_OFF] = length_flags(store.geo.data_bytes)  # with a check that agrees
     assert store.get("k") is None
     assert store.get_into("k", bytearray(1 << 24)) is None
 
@@ -410,7 +411,7 @@ def test_a_pin_ends_with_its_value_and_is_bounded(open_store):
     s.put("k", b"v2")  # a new lifetime: not pinned until pinned again
     d = key_digest("k")
     m = s.alloc.meta_off(s.index.find(d)[1])
-    assert s.mm[m + 31] == 0
+    assert not s.mm[m + META_FLAGS_OFF] & FLAG_PINNED  # the flags byte also holds the length's check
     with pytest.raises(ValueTooLargeError):
         s.put("big", bytes(8192)) and s.pin("big")
     for i in range(PIN_LIMIT - 1):

@@ -32,7 +32,7 @@ import traceback
 import numpy as np
 import pytest
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 from maru_shm.index import key_digest
 
 from ..conftest import HEADER_SIZE, assert_clean, make_value, read_notes as _notes, value_version, write_note as _note
@@ -271,11 +271,11 @@ def test_stress_shared_pool(instance, testrun_uid, tmp_path_factory, tmp_path, c
         if store is not None:
             store.close()
         if last:
-            for p in (path, ledger.path):
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            remove_pool(path)
+            try:
+                os.unlink(ledger.path)
+            except FileNotFoundError:
+                pass
         ledger.close()
     if failure is not None:
         raise failure

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 from maru_shm.format import (ENTRY_SIZE, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_ENTRY, UNIT_HEAD,
                              Geometry)
 
@@ -101,7 +101,7 @@ def digest(path) -> str:
 # --------------------------------------------------------------------------- another process using the pool
 HELPER = r"""
 import os, sys
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 s = Store.open(sys.argv[1])
 print("ready", os.getpid(), s.slot, flush=True)
 for line in sys.stdin:
@@ -190,13 +190,13 @@ def test_create_then_inspect_json(pool_path):
     assert "created" in r.stdout
     assert os.stat(pool_path).st_mode & 0o777 == 0o660
     rep = inspect_json(pool_path)
-    assert rep["schema"] == 1
+    assert rep["schema"] == 2
     assert rep["geometry"]["file_bytes"] == 16 << 20
     assert rep["index"]["entries"] == 0 and rep["classes"] == [] and rep["processes"] == []
 
     r = run("create", pool_path, "--size", "16M")  # never over an existing file
     assert_error(r, "already exists")
-    os.unlink(pool_path)
+    remove_pool(pool_path)
     fill(pool_path, n=200)
     rep = inspect_json(pool_path)
     assert rep["index"]["entries"] == 220
@@ -213,7 +213,8 @@ def test_create_then_inspect_json(pool_path):
     c = rep["counters"]
     assert (c["puts"], c["hits"], c["misses"]) == (220, 1, 1) and c["hit_ratio"] == 0.5
     assert rep["processes"] == []  # the filling process detached
-    assert rep["repair"] == {"dirty_locks": [], "shards": [], "classes": [], "pool": False, "dead_processes": []}
+    assert rep["repair"] == {"dirty_locks": [], "shards": [], "classes": [], "pool": False, "dead_processes": [],
+                             "locks_seen": True}
     assert 1.0 <= rep["index"]["probe_mean"] <= rep["index"]["probe_max"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 
 from .registry import figure, pool_path, progress_of, scenario
 
@@ -36,8 +36,7 @@ def bench_capacity(args) -> dict:
                 "figures": [figure("live payload / file", st["utilization"], maru_fixed, "Maru fixed 1 MiB chunk",
                                    goal=">= 0.97", met=met)]}
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
 
 
 MARU_CHUNK = 1 << 20  # Maru's fixed chunk: a value takes whole 1 MiB chunks

@@ -18,6 +18,8 @@ import os
 import shutil
 import tempfile
 
+from maru_shm import remove_pool
+
 from .registry import figure, median_spread, pool_path, progress_of, scenario
 
 NAME = "e2e"
@@ -71,8 +73,7 @@ def bench_e2e(args) -> dict:
         hfile = ttft_by_length(ServerSpec(pool=None, file_dir=file_dir, **common), lengths, repeat, work, progress,
                                0.5, 1.0)
     finally:
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)
         shutil.rmtree(file_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     what = f"{model} on {device}" if model else DEMO_MODEL.describe()

@@ -30,7 +30,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from maru_shm import format_size
+from maru_shm import format_size, remove_pool
+from maru_shm.format import LIVE, META_REF_OFF
 
 from .registry import figure, progress_of, scenario
 
@@ -184,7 +185,7 @@ class _WindowObserver:
         a, mm = self.a, self.mm
         slabs = refd = values = hit = 0
         for h in a.slabs.heads_in(w0, k):
-            c = int.from_bytes(mm[a.geo.slab_entry(h) + 4:a.geo.slab_entry(h) + 8], "little")
+            c = int(a.slabs.clsfield[h])
             ci = a.classes[c] if c < len(a.classes) else None
             if ci is None:
                 continue
@@ -192,9 +193,9 @@ class _WindowObserver:
             refd += a.slabs.referenced(h, ci.k, clear=False)
             for i in range(ci.bps):
                 m = a.meta_off(h * a.geo.unit_size + i * ci.block)
-                if mm[m] & 3 == 2:  # LIVE
+                if mm[m] & 3 == LIVE:
                     values += 1
-                    hit += mm[m + 30] != 0
+                    hit += mm[m + META_REF_OFF] != 0
         ok = self._window(w0, k, my_cid, *rest)
         if ok:
             for f, v in zip(self.FIELDS[2:], (slabs, refd, values, hit)):
@@ -257,8 +258,7 @@ def run_store(trace, sizes, pool_bytes: int, warm: int, path: str, progress=None
             st = s.stats()
             ok = s.check().ok
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
     sp = rep["space"]
     return {"hits": hits, "requests": len(tr) - warm, "hit_bytes": hit_bytes, "put_failures": put_fail,
             "data_bytes": data_bytes, "file_bytes": st["file_bytes"], "live_bytes_mean": float(np.mean(live)),

@@ -19,6 +19,8 @@ import statistics
 import tempfile
 import time
 
+from maru_shm import remove_pool
+
 BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
 FULL_POOL = 1 << 30  # the pool kept full for the steady-state set figure
 
@@ -199,8 +201,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     src = torch.arange(0, BATCH * page_size, dtype=torch.int64)
     dst = torch.arange(BATCH * page_size, 2 * BATCH * page_size, dtype=torch.int64)
     pool = pool or f"/dev/shm/maru-bench-dp-{os.getpid()}"
-    if os.path.exists(pool):
-        os.unlink(pool)
+    remove_pool(pool)
     # room for every round's pages without eviction: two backends, idle and busy, and slack
     pool_bytes = max(1 << 30, 5 * (repeat + 1) * BATCH * page_bytes)
     extra = maru_extra(pool, pool_bytes)
@@ -253,8 +254,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
         full.close()
         shutil.rmtree(file_dir, ignore_errors=True)
         for path in (pool, full_path):
-            if os.path.exists(path):
-                os.unlink(path)
+            remove_pool(path)
     out = _summary(t, page_size, page_bytes)
     out["busy"] = _summary(busy, page_size, page_bytes)
     out["engine_batches"] = threaded  # phase -> [threaded, alone], warm-up rounds included
@@ -361,8 +361,7 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
     host = _host_pool(1, BATCH)
     src = __import__("torch").arange(0, BATCH, dtype=__import__("torch").int64)
     pool = pool or f"/dev/shm/maru-bench-lookup-{os.getpid()}"
-    if os.path.exists(pool):
-        os.unlink(pool)
+    remove_pool(pool)
     maru = StorageBackendFactory.create_backend("dynamic", _storage_config(maru_extra(pool, "256M")), host)
     maru.register_mem_pool_host(host)
     file_dir = tempfile.mkdtemp(dir="/dev/shm", prefix="maru-bench-hicachefile-")
@@ -388,5 +387,4 @@ def lookup(repeat: int, pool: str | None = None) -> dict:
     finally:
         maru.close()
         shutil.rmtree(file_dir, ignore_errors=True)
-        if os.path.exists(pool):
-            os.unlink(pool)
+        remove_pool(pool)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import random
 
+from maru_shm import remove_pool
+
 from .hostpool import maru_extra
 from .registry import figure, scenario
 
@@ -170,8 +172,7 @@ def hybrid(pool_size: int, seed: int = 7, path: str | None = None, prefix_evicti
         last = backend.batch_exists_v2(keys, q)
     finally:
         backend.close()
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
     largest = max(page_bytes.values())
     fixed, fixed_usable = _simulate_slots(sizes, pool_size, lambda b: largest, sample_at)
     pow2, pow2_usable = _simulate_slots(sizes, pool_size, lambda b: max(4096, 1 << max(b - 1, 0).bit_length()),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 
 from .capacity import MARU_CHUNK, simulate_slots
 from .registry import figure, pool_path, progress_of, scenario
@@ -39,8 +39,7 @@ def bench_mixed(args) -> dict:
             st = s.stats()
             assert s.check().ok
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
     pow2 = simulate_slots(sizes, size, lambda n: 1 << (n - 1).bit_length())
     fixed = simulate_slots(sizes, size, lambda n: hi)
     maru_1m = simulate_slots(sizes, size, lambda n: -(-n // MARU_CHUNK) * MARU_CHUNK)

@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 
-from maru_shm import Store
+from maru_shm import Store, remove_pool
 
 from .registry import figure, median_spread, pool_path, progress_of, scenario
 
@@ -67,6 +67,5 @@ def bench_ops(args) -> dict:
                            spread=g[1:], peer_spread=one_way[1])]
                 progress_of(args)(0.5 if vsize == 4096 else 1.0)
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        remove_pool(path)
     return out

@@ -33,12 +33,13 @@ A cell is one (shape, seed, replay, size); the goals (VS_CLOCK ...) hold in ever
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
+
+from maru_shm import remove_pool
 
 from .hostpool import _host_pool, _storage_config, maru_extra
 from .registry import figure, pool_path, progress_of, scenario
@@ -210,8 +211,7 @@ class MaruBackend:
 
     def close(self) -> None:
         self.backend.close()
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        remove_pool(self.path)
 
 
 class MaruTier(MaruBackend):

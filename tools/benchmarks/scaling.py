@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from maru_shm import remove_pool
+
 from .registry import figure, progress_of, scenario
 
 VALUE = 128 << 10
@@ -59,8 +61,8 @@ class _LockMeter:
         pc = time.perf_counter_ns
         meter = self
 
-        def trylock(fd, lock_id, n=1):
-            ok = orig_try(fd, lock_id, n)
+        def trylock(fd, lock_id, n=1, **kw):
+            ok = orig_try(fd, lock_id, n, **kw)
             if not ok:
                 meter._busy = True
             return ok
@@ -292,8 +294,7 @@ def scaling(processes=PROCESSES, duration: float = 1.0, repeat: int = 3, n_keys:
             points.append(pt)
     finally:
         for p in (pool, copy_path):
-            if os.path.exists(p):
-                os.unlink(p)
+            remove_pool(p)
     return {"value_bytes": VALUE, "keys": n_keys, "duration_s": duration, "repeat": repeat, "cores": cores(),
             "points": points, **verdict(points, cores())}
 
