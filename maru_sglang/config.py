@@ -48,7 +48,10 @@ class MaruConfig:
     eager_map: bool = True
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
-    prefix_eviction: bool = True  # record how pages relate, so eviction keeps what can still be a hit
+    # Record how pages relate, so eviction keeps what can still be a hit. None ("auto"): for hybrid models
+    # only, whose partner pools need group dooming; a plain model gets the plain per-class CLOCK, which the
+    # prefix-tree family shows never loses to the records across trace shapes (BENCHMARKS.md).
+    prefix_eviction: bool | None = None
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
     heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it
@@ -103,7 +106,7 @@ class MaruConfig:
                     or not 1 <= int(t) <= 64:
                 raise ValueError(f"maru_copy_threads: expected 'auto' or an integer from 1 to 64, got {t!r}")
             kw["copy_threads"] = int(t)
-        if "maru_prefix_eviction" in extra:
+        if extra.get("maru_prefix_eviction") not in (None, "auto"):
             kw["prefix_eviction"] = _bool(extra["maru_prefix_eviction"], "maru_prefix_eviction")
         if extra.get("maru_tier2") is not None:
             kw["tier2"] = _tier2_settings(extra["maru_tier2"])

@@ -18,7 +18,8 @@ FORMAT.md section 6a); this module writes them:
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
   segment when it goes.
 
-`maru_prefix_eviction: false` turns all of this off (the plain per-class CLOCK).
+Records are written for hybrid models only (`maru_prefix_eviction: auto`, the default): a plain model's
+pages are evicted by the plain per-class CLOCK. `true` / `false` force them on / off.
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ class Segment:
 
 
 class Lineage:
-    def __init__(self, storage, enabled: bool):
-        self.storage, self.enabled = storage, enabled
+    def __init__(self, storage, setting: bool | None):
+        self.storage, self.setting = storage, setting
+
+    @property
+    def enabled(self) -> bool:
+        """The setting, or when it is auto (None): whether a hybrid model's partner pools are registered."""
+        return self.setting if self.setting is not None else bool(self.storage.hybrid.pools)
 
     @staticmethod
     def _prefix(extra_info) -> Optional[list]:

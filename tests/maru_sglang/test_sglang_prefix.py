@@ -30,13 +30,31 @@ def _info(prefix):
 
 def _head_and_tail(make_instance, seed: int):
     """A backend holding an 8-page head and its 8-page continuation, stored with the head as prefix_keys."""
-    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M",
+                                  maru={"maru_prefix_eviction": True})
     hh.fill_random(host, seed=seed)
     idx = page_indices(host, 0, 8)
     head, tail = prompt_keys(8, f"head{seed}"), prompt_keys(8, f"tail{seed}")
     assert all(backend.batch_set_v1(head, idx))
     assert all(backend.batch_set_v1(tail, idx, _info(head)))
     return backend, head, tail
+
+
+@pytest.mark.parametrize("setting", [None, "auto", False])
+def test_a_plain_model_writes_no_relation_records_by_default(make_instance, pool_path, setting):
+    """By default (auto) a plain model's pages carry no relation records: the plain per-class CLOCK evicts
+    them. The records are for hybrid models, whose partner pools need group dooming (test_sglang_v2.py)."""
+    maru = {} if setting is None else {"maru_prefix_eviction": setting}
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M", maru=maru,
+                                  pool=f"{pool_path}-{setting}")
+    hh.fill_random(host, seed=3)
+    idx = page_indices(host, 0, 8)
+    head, tail = prompt_keys(8, "plain-head"), prompt_keys(8, "plain-tail")
+    assert all(backend.batch_set_v1(head, idx))
+    assert all(backend.batch_set_v1(tail, idx, _info(head)))
+    assert not backend.lineage.enabled
+    st, ks = backend.store, backend.keyspace
+    assert all(st.relation_of(ks.digest(k)) == (0, 0) for k in head + tail)  # stored, no record
 
 
 def test_a_suffix_links_to_its_prefix(make_instance):
@@ -122,7 +140,8 @@ def test_a_call_without_prefix_keys_takes_its_stored_leading_pages_as_prefix(mak
     prompt sends that prompt's pages again, with no prefix keys. The pages already stored are the call's prefix:
     its own pages get their own segment, children of the first conversation's. Taken as its own, every such call
     would share one group, and a doom of one conversation's page would strand the others'."""
-    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M")
+    host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M",
+                                  maru={"maru_prefix_eviction": True})
     hh.fill_random(host, seed=5)
     idx = page_indices(host, 0, 12)
     shared = prompt_keys(4, "system")
