@@ -227,8 +227,11 @@ def length_sound(length: int, flags: int) -> bool:
     return flags >> LENGTH_CHECK_SHIFT == length_check(length)
 
 # --- relation records and the doom ring (section 6a) -----------------------
-RELATION_SIZE = 16  # group u32, parent u32, depth u16 (bit 15: trailing), branch u16, tag u16, born u16
-DOOM_SIZE = 8       # group u32, from u16, seq u16
+RELATION_LAYOUT = record(16, ("group", "<u4"), ("parent", "<u4"), ("depth", "<u2"),  # depth bit 15: trailing
+                         ("branch", "<u2"), ("tag", "<u2"), ("born", "<u2"))
+DOOM_LAYOUT = record(8, ("group", "<u4"), ("from", "<u2"), ("seq", "<u2"))
+RELATION_SIZE = RELATION_LAYOUT.itemsize
+DOOM_SIZE = DOOM_LAYOUT.itemsize
 DOOM_ENTRIES = 4096
 
 U64 = struct.Struct("<Q")

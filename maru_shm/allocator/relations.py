@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import CLASS_ENTRY, CLS_RELATED, DOOM_CURSOR_OFF, DOOM_ENTRIES, U32
+from ..format import CLASS_ENTRY, CLS_RELATED, DOOM_CURSOR_OFF, DOOM_ENTRIES, DOOM_LAYOUT, RELATION_LAYOUT, U32
 
 TRAILING = 1 << 15   # `depth` flag: losing this value strands its whole segment
 DEPTH_MAX = TRAILING - 1  # positions saturate here (a segment is one set call: SGLang sends 128 pages)
-RELATION_DTYPE = np.dtype([("group", "<u4"), ("parent", "<u4"), ("depth", "<u2"), ("branch", "<u2"),
-                           ("tag", "<u2"), ("born", "<u2")])  # FORMAT.md section 6a, 16 bytes
-DOOM_DTYPE = np.dtype([("group", "<u4"), ("from", "<u2"), ("seq", "<u2")])  # 8 bytes
+RELATION_DTYPE = RELATION_LAYOUT  # FORMAT.md section 6a, declared in format.py
+DOOM_DTYPE = DOOM_LAYOUT
 _HALF = 1 << 15
 NAMED_LOOP = 8  # up to this many doomed groups, `named` compares each one; more, np.isin sorts
 SCALAR_DOOMS = 256  # up to this many dooms since a record's birth, `record_of` checks them in Python

@@ -503,6 +503,9 @@ FORMAT_TABLES = [
     ("PROC_LAYOUT", 128, [
         ("state", 0, 4), ("pid", 4, 4), ("start_ticks", 8, 8), ("attach_ns", 16, 8), ("uid", 24, 4),
         ("reserved_28", 28, 4), ("counters", 32, 96)]),
+    ("RELATION_LAYOUT", 16, [
+        ("group", 0, 4), ("parent", 4, 4), ("depth", 8, 2), ("branch", 10, 2), ("tag", 12, 2), ("born", 14, 2)]),
+    ("DOOM_LAYOUT", 8, [("group", 0, 4), ("from", 4, 2), ("seq", 6, 2)]),
 ]
 
 
