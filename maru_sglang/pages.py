@@ -96,13 +96,16 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * n, 0
+    written: list = []  # a key present but displaced from its home slot is skipped at publication
     if todo.size == n:
-        return store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True,
-                                      relations=relations), n
+        res = store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True,
+                                     relations=relations, written=written)
+        return res, sum(written)
     res = [True] * n
     sel = todo.tolist()
     put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], skip_existing=True, digests=digests[todo],
-                                 assume_absent=True, relations=None if relations is None else relations[todo])
+                                 assume_absent=True, relations=None if relations is None else relations[todo],
+                                 written=written)
     for i, ok in zip(sel, put):
         res[i] = ok
-    return res, len(sel)
+    return res, sum(written)

@@ -512,7 +512,7 @@ class Store:
     @_entry(owns_blocks=True)
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
-                         relations=None) -> list[bool]:
+                         relations=None, written: list | None = None) -> list[bool]:
         """Store many values; per key True once committed and visible (or already present with skip_existing).
 
         With skip_existing the check is atomic: a key that another process
@@ -523,13 +523,15 @@ class Store:
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
         `relations` (from `maru_shm.chain_relations`, one record per key) says how the values relate, so eviction keeps
         what can still be a hit (FORMAT.md section 6a); a value stored without one is evicted by the plain CLOCK.
+        `written`: a list this call appends the number of values it published to (with skip_existing, the
+        keys found present are not among them).
         """
         darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
         if relations is not None and (getattr(relations, "dtype", None) != RELATION_DTYPE or len(relations) != len(darr)):
             raise ValueError("relations must be maru_shm.chain_relations(...) records, one per key")
-        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, relations)
+        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, relations, written)
         self.counters.flush()
         return out
 

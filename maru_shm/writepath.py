@@ -28,8 +28,9 @@ class WritePath:
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
     def put_batch(self, digests, pieces_list, skip_existing: bool, assume_absent: bool,
-                  relations=None) -> list[bool]:
-        """Store one value per digest ((n, 16) uint8 array, or a list of 16-byte digests)."""
+                  relations=None, published_out: list | None = None) -> list[bool]:
+        """Store one value per digest ((n, 16) uint8 array, or a list of 16-byte digests); the number of
+        values published is appended to `published_out` when given."""
         n = len(digests)
         small = n <= SMALL_BATCH
         if small:  # the scalar path works on Python ints and bytes: a numpy call costs more than the key
@@ -65,8 +66,12 @@ class WritePath:
         ok = sum(res)
         if len(placed_i) == n and all(published):  # the common case: every value placed and published
             written = sum(lengths)
+            if published_out is not None:
+                published_out.append(n)
         else:
             written = sum([lengths[i] for i, p in zip(placed_i, published) if p])
+            if published_out is not None:
+                published_out.append(sum(map(bool, published)))
         self.counters.count_put(ok, n - ok, evicted, evicted_bytes, written)
         return res
 

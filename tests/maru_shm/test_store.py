@@ -161,6 +161,24 @@ def test_batch_put_skip_existing(store):
     assert res == [True] and store.get("old") == make_value("old", 3, 1000)
 
 
+@pytest.mark.parametrize("n", [3, 40])  # the scalar and the vector path
+def test_batch_put_pieces_tells_how_many_values_it_published(store, n):
+    """With skip_existing and assume_absent a present key is skipped at publication, after its copy: the
+    call still answers True for it, and `written` is how a caller counts what it really stored (the
+    backend's bytes_written once counted a present key displaced from its home slot as written)."""
+    keys = [f"w{i}" for i in range(n)]
+    bufs = [np.frombuffer(make_value(k, 1, 4096), dtype=np.uint8) for k in keys]
+    pieces = [[(b.ctypes.data, b.nbytes)] for b in bufs]
+    half = n // 2
+    assert store.batch_put(keys[:half], [b.tobytes() for b in bufs[:half]]) == [True] * half
+    written: list = []
+    res = store.batch_put_pieces(keys, pieces, skip_existing=True, assume_absent=True, written=written)
+    assert res == [True] * n and written == [n - half]
+    written = []
+    assert store.batch_put_pieces(keys, pieces, skip_existing=True, assume_absent=True, written=written) == [True] * n
+    assert written == [0]
+
+
 def test_batch_put_same_key_twice(store):
     assert store.batch_put(["d", "d"], [make_value("d", 1, 900), make_value("d", 2, 900)]) == [True, True]
     assert store.get("d") == make_value("d", 2, 900)
