@@ -523,8 +523,7 @@ class Store:
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
         `relations` (from `maru_shm.chain_relations`, one record per key) says how the values relate, so eviction keeps
         what can still be a hit (FORMAT.md section 6a); a value stored without one is evicted by the plain CLOCK.
-        `written`: a list this call appends the number of values it published to (with skip_existing, the
-        keys found present are not among them).
+        `written`: a list this call appends how many values it published to (present keys skipped: not).
         """
         darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
