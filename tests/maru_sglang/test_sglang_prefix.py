@@ -52,9 +52,13 @@ def test_a_plain_model_writes_no_relation_records_by_default(make_instance, pool
     head, tail = prompt_keys(8, "plain-head"), prompt_keys(8, "plain-tail")
     assert all(backend.batch_set_v1(head, idx))
     assert all(backend.batch_set_v1(tail, idx, _info(head)))
-    assert not backend.lineage.enabled
-    st, ks = backend.store, backend.keyspace
-    assert all(st.relation_of(ks.digest(k)) == (0, 0) for k in head + tail)  # stored, no record
+    try:
+        assert not backend.lineage.enabled
+        st, ks = backend.store, backend.keyspace
+        assert all(st.relation_of(ks.digest(k)) == (0, 0) for k in head + tail)  # stored, no record
+    finally:
+        backend.close()
+        remove_pool(f"{pool_path}-{setting}")
 
 
 def test_a_suffix_links_to_its_prefix(make_instance):
