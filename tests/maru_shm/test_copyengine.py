@@ -326,16 +326,10 @@ def test_an_exception_at_any_line_of_a_threaded_batch_waits_for_the_workers():
     batch copies exactly its pieces."""
     import sys
 
-    root = copyengine.__file__
+    from .test_locks import _interrupt_at_line
 
     def tracer_at(n, seen):
-        def local(frame, event, arg):
-            if event == "line":
-                seen[0] += 1
-                if seen[0] == n:
-                    raise KeyboardInterrupt(f"line {frame.f_lineno} of {frame.f_code.co_name}")
-            return local
-        return lambda frame, event, arg: local if frame.f_code.co_filename == root else None
+        return _interrupt_at_line(n, copyengine.__file__, seen)
 
     src, dst = _buffers(32 << 20, seed=11)
     d_off, s_off, nb = _scattered_plan(32 << 20, 1 << 20, seed=11)

@@ -612,10 +612,11 @@ def _a_lock_held_by_anyone(path) -> str | None:
     return None if kind == fcntl.F_UNLCK else locks_mod.lock_name(start - LOCK_BASE)
 
 
-def _interrupt_at_line(n: int):
-    """A trace function that raises KeyboardInterrupt at the n-th line event inside maru_shm/locks.py (as a
-    SIGINT would, between two bytecodes). Python unsets a trace function that raises: one interrupt."""
-    seen = [0]
+def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, seen: list | None = None):
+    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_file` (as a
+    SIGINT would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a
+    trace function that raises: one interrupt."""
+    seen = [0] if seen is None else seen
 
     def local(frame, event, arg):
         if event == "line":
@@ -625,7 +626,7 @@ def _interrupt_at_line(n: int):
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code.co_filename == locks_mod.__file__ else None
+        return local if frame.f_code.co_filename == module_file else None
     return calls
 
 
