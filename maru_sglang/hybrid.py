@@ -13,7 +13,7 @@ size, so one request stores pages of several sizes at once.
   class of the store. A pool that cannot describe its pages (a Mamba pool with
   slot side states, a layout without zero-copy support, a page larger than the
   pool's largest value) is refused at registration with the reason.
-- Keys. A pool page is stored under the digest of MaruStorage's namespace
+- Keys. A pool page is stored under the digest of the backend's namespace
   (model, ranks, KV format, the clear() nonce) + the pool's own namespace
   (pool name, its topology, its byte format) + the page hash; KV pages under
   exactly the digests v1 uses (`pool_digests` is the one place). Pools never
@@ -30,6 +30,8 @@ size, so one request stores pages of several sizes at once.
   page was evicted never counts (an orphan). BLOCK_GROUPS, which HiCacheFile
   0.5.23 rejects, follows its docstring: the pool's verdict is the pages its
   leading complete key groups cover; it never gates the KV hit.
+- The KV pool of a v2 call is the KV anchor, the LocalTier that owns the KV
+  pages: its host pool and page describe the pool, and it moves the pages.
 - A logical KV anchor (DeepSeek-V4's LogicalHostPool holds no KV tensor) stores
   an empty value per KV page, as HiCacheFile stores an empty file: it marks the
   page as backed up, and the KV prefix means the same thing for every model.
@@ -45,17 +47,18 @@ import logging
 import threading
 import time
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer, PoolTransferResult
 
-from maru_shm import format_size, prefixed_digests
+from maru_shm import Store, format_size, prefixed_digests
 
-from .namespace import kv_format_fingerprint, namespace_for
-from .pages import check_host_indices, page_pieces, store_pages
+from .localtier import LocalTier, LogOnce
+from .namespace import KeySpace, kv_format_fingerprint, namespace_for
+from .pages import page_pieces, store_pages
 
 logger = logging.getLogger("maru_sglang")
 
@@ -73,7 +76,7 @@ def pool_name(name) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSpec:
-    """What MaruStorage knows about one registered pool."""
+    """What the backend knows about one registered pool."""
 
     name: str
     host_pool: Any
@@ -86,14 +89,23 @@ class PoolSpec:
 
 
 class HybridPools:
-    """The v2 pools of one MaruStorage: their specs, their figures, and the v2 calls over them.
+    """The v2 pools of one backend: their specs, their figures, and the v2 calls over them.
 
-    `storage` is the MaruStorage that owns this object: its store, key space, KV anchor (host pool,
-    page bytes, pieces) and v1 / legacy calls, which the KV transfer of a v2 call goes through.
+    `kv` is the KV anchor (its host pool, page and page I/O: a v2 call's KV transfer goes to it); `store()`
+    the pool's store, attached on first use; `keyspace` whose pages these are; `storage_config` SGLang's
+    (model, ranks); `is_writer`: this rank stores pages shared by the TP ranks; `declare(page_bytes, what)`
+    declares a pool's exact-fit class (SharedPool.declare); `log_once(what, error)` logs a failure once.
     """
 
-    def __init__(self, storage):
-        self.storage = storage
+    def __init__(self, kv: LocalTier, store: Callable[[], Store], keyspace: KeySpace, storage_config,
+                 is_writer: bool, declare: Callable[[int, str], None], log_once: LogOnce):
+        self.kv = kv
+        self._store = store
+        self.keyspace = keyspace
+        self.storage_config = storage_config
+        self.is_writer = is_writer
+        self._declare = declare
+        self._log_once = log_once
         self.pools: Dict[str, PoolSpec] = {}  # extra host pools of hybrid models, by name
         self._stats: Dict[str, dict] = {}
         self._lock = threading.Lock()
@@ -105,27 +117,26 @@ class HybridPools:
 
         Raises ValueError with the reason when the pool's pages cannot be addressed piece by piece.
         """
-        st = self.storage
         n = pool_name(name)
-        if st.keyspace.base is None:
+        if self.keyspace.base is None:
             raise RuntimeError("MaruStorage: register_mem_host_pool_v2() called before register_mem_pool_host()")
         if n == KV:
-            if host_pool is not st.mem_pool_host:
+            if host_pool is not self.kv.host_pool:
                 logger.warning("maru: v2 pool 'kv' (%s) is not the anchor registered with register_mem_pool_host "
                                "(%s); KV pages use the anchor", type(host_pool).__name__,
-                               type(st.mem_pool_host).__name__)
+                               type(self.kv.host_pool).__name__)
             return self.spec(KV)
         ptrs, sizes = _page_meta(host_pool, n)
         page_bytes = int(sum(int(s) for s in sizes))
-        st.pool.declare(page_bytes, _what(host_pool, n))
-        tp_sharded = n in TP_SHARDED_POOLS or not st.storage_config.is_mla_model
-        topo = namespace_for(st.storage_config, pool_name=n, tp_sharded=True if n in TP_SHARDED_POOLS else None)
+        self._declare(page_bytes, _what(host_pool, n))
+        tp_sharded = n in TP_SHARDED_POOLS or not self.storage_config.is_mla_model
+        topo = namespace_for(self.storage_config, pool_name=n, tp_sharded=True if n in TP_SHARDED_POOLS else None)
         # the piece sizes pin down how the bytes of one page are laid out (e.g. Mamba temporal vs conv split)
         fp = kv_format_fingerprint(host_pool, page_bytes, len(ptrs), io="pieces:" + ",".join(str(int(s)) for s in sizes))
         page_size = int(getattr(host_pool, "page_size", 1) or 1)
         spec = PoolSpec(n, host_pool, page_size, page_bytes, len(ptrs), tp_sharded, f"{topo}|fmt-{fp}/")
         logger.info("maru: v2 pool %s: page %s (%d slots, %d pieces)%s", n, format_size(page_bytes), page_size,
-                    len(ptrs), ", per TP rank" if tp_sharded and st.storage_config.is_mla_model else "")
+                    len(ptrs), ", per TP rank" if tp_sharded and self.storage_config.is_mla_model else "")
         return spec
 
     def register(self, spec: PoolSpec) -> None:
@@ -142,7 +153,7 @@ class HybridPools:
 
     def written_by_this_rank(self, transfers) -> list:
         """The transfers whose pages this rank stores: on a non-writer MLA rank, only TP-sharded pools."""
-        if self.storage.is_writer:
+        if self.is_writer:
             return list(transfers or [])
         return [t for t in transfers or [] if (s := self.spec(t.name)) is not None and s.tp_sharded]
 
@@ -153,12 +164,11 @@ class HybridPools:
         """The registered pool of this name; the KV pool is always the anchor (registered through v2 or not)."""
         n = pool_name(name)
         if n == KV:
-            st = self.storage
-            if st.keyspace.base is None:
+            if self.keyspace.base is None:
                 return None
-            host = st.mem_pool_host
-            return PoolSpec(KV, host, int(getattr(host, "page_size", 1) or 1), int(st.page_bytes or 0),
-                            int(st.pieces_per_page), False, "", is_kv=True)
+            kv = self.kv
+            return PoolSpec(KV, kv.host_pool, int(getattr(kv.host_pool, "page_size", 1) or 1), int(kv.page_bytes or 0),
+                            int(kv.pieces_per_page), False, "", is_kv=True)
         return self.pools.get(n)
 
     # ------------------------------------------------------------------ keys
@@ -166,13 +176,13 @@ class HybridPools:
         """Store digests ((n, 16) uint8) of `keys` in pool `spec`: the one place v2 keys become store identities.
 
         KV pages use the key space's digests, so they are the very pages v1 / legacy calls store. A side
-        pool's namespace is MaruStorage's (model, ranks, KV format, clear() nonce) followed by the pool's own
+        pool's namespace is the backend's (model, ranks, KV format, clear() nonce) followed by the pool's own
         tag, so SGLang's hex page hashes keep the fast prefixed-digest path and clear() retires every pool
         at once.
         """
         if spec.is_kv:
-            return self.storage.keyspace.digests(keys)
-        return prefixed_digests(self.storage.keyspace.prefix() + spec.tag, keys)
+            return self.keyspace.digests(keys)
+        return prefixed_digests(self.keyspace.prefix() + spec.tag, keys)
 
     def store_digests(self, name, keys: List[str]):
         """Store digests of `keys` in the pool called `name` (for tools and tests: inspect, evict)."""
@@ -183,11 +193,11 @@ class HybridPools:
 
     def _present(self, digests, page_bytes: int) -> List[bool]:
         """Per key: stored with exactly one page of bytes (anything else is not a page of this pool)."""
-        r = self.storage.store.resolve(digests)
+        r = self._store().resolve(digests)
         return (r.ok & (r.lengths == page_bytes)).tolist()
 
     def _leading(self, digests, page_bytes: int) -> int:
-        return self.storage.store.leading_hits(length=page_bytes, digests=digests) if len(digests) else 0
+        return self._store().leading_hits(length=page_bytes, digests=digests) if len(digests) else 0
 
     def leading_stored(self, name, keys: List[str]) -> int:
         """How many of `keys`, from the first, pool `name` stores (0 for a pool not registered)."""
@@ -201,12 +211,11 @@ class HybridPools:
         try:
             return self._exists_v2(list(keys), pool_transfers)
         except Exception as e:
-            self.storage.log_once("batch_exists_v2", e)
+            self._log_once("batch_exists_v2", e)
             return PoolTransferResult(0, {}, [])
 
     def _exists_v2(self, keys: List[str], pool_transfers) -> PoolTransferResult:
-        st = self.storage
-        kv_pages = self._leading(st.keyspace.digests(keys), st.page_bytes) if keys else 0
+        kv_pages = self._leading(self.keyspace.digests(keys), self.kv.page_bytes) if keys else 0
         hit_count: Dict[Any, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -255,7 +264,7 @@ class HybridPools:
         spec = self.spec(transfer.name)
         tkeys = list(transfer.keys or [])
         if block <= 0 or group <= 0:
-            self.storage.log_once("batch_exists_v2", ValueError(
+            self._log_once("batch_exists_v2", ValueError(
                 f"BLOCK_GROUPS transfer {pool_name(transfer.name)!r} without geometry "
                 f"(block_pages={block}, group_pages={group})"))
             return 0
@@ -276,7 +285,7 @@ class HybridPools:
             try:
                 results[transfer.name] = self._transfer(transfer, keys, write, segment)
             except Exception as e:
-                self.storage.log_once(what, e)
+                self._log_once(what, e)
                 results[transfer.name] = [False] * len(keys)
         return results
 
@@ -293,38 +302,24 @@ class HybridPools:
         if not keys:
             return []
         trailing = getattr(transfer, "hit_policy", None) == PoolHitPolicy.TRAILING_PAGES
-        relations = self.storage.lineage.records(segment, keys, trailing) if write else None
+        relations = segment.records(keys, trailing) if write and segment is not None else None
         if spec.is_kv:
-            return self._kv_io(keys, hi, write, relations)
+            return self.kv.io_v2(keys, hi, write, relations)
         if write:
             return self._set_pool(spec, keys, hi, relations)
         return self._get_pool(spec, keys, hi)
 
-    def _kv_io(self, keys, host_indices, write: bool, relations=None) -> List[bool]:
-        """A transfer named 'kv' moves the KV pages themselves, under the same keys as v1 / legacy calls."""
-        st = self.storage
-        if st.uses_pieces:
-            return st.local_set_v1(keys, host_indices, relations) if write else st.local_get_v1(keys, host_indices)
-        host, ps = st.mem_pool_host, int(getattr(st.mem_pool_host, "page_size", 1) or 1)
-        check_host_indices(host, host_indices, len(keys))
-        out = []
-        for i, key in enumerate(keys):
-            at = int(host_indices[i * ps].item())
-            if write:
-                out.append(st.set(key, host.get_data_page(at, flat=True)))
-            else:
-                page = st.get(key, host.get_dummy_flat_data_page())
-                if page is not None:
-                    host.set_from_flat_data_page(at, page)
-                out.append(page is not None)
-        return out
+    def promote_v2(self, transfers) -> int:
+        """Store v2 pages another tier just loaded (those this rank stores); the number of pages the pool took."""
+        res = self.batch_io_v2(self.written_by_this_rank(transfers), write=True)
+        return sum(sum(r) for r in res.values())
 
     def _set_pool(self, spec: PoolSpec, keys, host_indices, relations=None) -> List[bool]:
         n = len(keys)
-        if not self.storage.is_writer and not spec.tp_sharded:
+        if not self.is_writer and not spec.tp_sharded:
             return [True] * n  # MLA: pages shared by the TP ranks are written by the storage writer rank
         t0 = time.perf_counter()
-        res, written = store_pages(self.storage.store, keys, self.digests(spec, keys), _pieces(spec, host_indices, n),
+        res, written = store_pages(self._store(), keys, self.digests(spec, keys), _pieces(spec, host_indices, n),
                                    spec.page_bytes, relations)
         self._account(spec, res, t0, read=False, written=written)
         return res
@@ -332,7 +327,7 @@ class HybridPools:
     def _get_pool(self, spec: PoolSpec, keys, host_indices) -> List[bool]:
         t0 = time.perf_counter()
         pieces = _pieces(spec, host_indices, len(keys))
-        res = self.storage.store.batch_get_pieces(keys, pieces, digests=self.digests(spec, keys))
+        res = self._store().batch_get_pieces(keys, pieces, digests=self.digests(spec, keys))
         self._account(spec, res, t0, read=True)
         return res
 

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
-from maru_shm import chain_relations
+from maru_shm import Store, chain_relations
+
+from .hybrid import HybridPools
+from .localtier import LogOnce
+from .namespace import KeySpace
 
 
 def _quiet(method):
@@ -40,7 +44,7 @@ def _quiet(method):
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
-            self.storage.log_once(f"prefix eviction ({method.__name__})", e)
+            self._log_once(f"prefix eviction ({method.__name__})", e)
             return None
     return call
 
@@ -60,15 +64,31 @@ class Segment:
             self._pos = {k: i for i, k in enumerate(self.keys)}
         return np.array([self._pos.get(k, 0) for k in keys], dtype=np.int64)
 
+    def records(self, keys: List[str], trailing: bool = False):
+        """Relation records of `keys` (pages of this segment), for Store.batch_put_pieces(relations=); None for
+        no keys. `trailing`: the pages of a pool whose last pages alone serve (TRAILING_PAGES)."""
+        if not keys:
+            return None
+        return chain_relations(len(keys), self.group, self.parent, self.branch, trailing, self.positions(keys))
+
 
 class Lineage:
-    def __init__(self, storage, setting: bool | None):
-        self.storage, self.setting = storage, setting
+    """The segments of one backend's set calls. `setting`: maru_prefix_eviction (None: auto); `store()` the
+    pool's store; `keyspace` whose pages these are; `hybrid` the v2 pools (whether there are any, and what
+    each stores); `log_once(what, error)` logs a failure once per cause."""
+
+    def __init__(self, setting: bool | None, store: Callable[[], Store], keyspace: KeySpace, hybrid: HybridPools,
+                 log_once: LogOnce):
+        self.setting = setting
+        self._store = store
+        self.keyspace = keyspace
+        self.hybrid = hybrid
+        self._log_once = log_once
 
     @property
     def enabled(self) -> bool:
         """The setting, or when it is auto (None): whether a hybrid model's partner pools are registered."""
-        return self.setting if self.setting is not None else bool(self.storage.hybrid.pools)
+        return self.setting if self.setting is not None else bool(self.hybrid.pools)
 
     @staticmethod
     def _prefix(extra_info) -> Optional[list]:
@@ -88,7 +108,7 @@ class Lineage:
         """
         if not self.enabled or not keys:
             return None
-        ks, store = self.storage.keyspace, self.storage.store
+        ks, store = self.keyspace, self._store()
         prefix = self._prefix(extra_info)
         first = 0
         if not prefix and stored is not None:
@@ -106,18 +126,11 @@ class Lineage:
                 parent, branch = rec
         return Segment(group, parent, branch, orphan, list(keys))
 
-    @staticmethod
-    def records(seg: Optional[Segment], keys: List[str], trailing: bool = False):
-        """Relation records of `keys` (pages of segment `seg`), for Store.batch_put_pieces(relations=)."""
-        if seg is None or not keys:
-            return None
-        return chain_relations(len(keys), seg.group, seg.parent, seg.branch, trailing, seg.positions(keys))
-
     @_quiet
     def stored(self, seg: Optional[Segment]) -> None:
         """After the segment's pages are written: a segment whose parent is gone is doomed at once."""
         if seg is not None and seg.orphan:
-            self.storage.store.doom_segment(seg.group)
+            self._store().doom_segment(seg.group)
 
     @_quiet
     def segment_v2(self, transfers, extra_info=None) -> Optional[Segment]:
@@ -125,5 +138,4 @@ class Lineage:
         every page-aligned pool stores; a trailing pool names only the last ones)."""
         widest = max(transfers or [], key=lambda t: len(t.keys or []), default=None)
         keys = list(widest.keys or []) if widest is not None else []
-        hybrid = self.storage.hybrid
-        return self.segment(keys, extra_info, lambda ks: hybrid.leading_stored(widest.name, ks))
+        return self.segment(keys, extra_info, lambda ks: self.hybrid.leading_stored(widest.name, ks))

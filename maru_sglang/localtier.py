@@ -1,8 +1,10 @@
 """The shared pool as the near tier: the KV pages of the registered host pool, moved with one store call a batch.
 
-MaruStorage (the SGLang adapter) and TwoTiers (which adds a second tier behind this one) both call it; it
-calls neither. It counts what SGLang's calls moved, for get_stats(); a promotion (pages another tier just
-loaded, stored here) is counted by the caller, not as a set.
+It owns every KV page I/O: the v1 calls (the host pool's pieces), the legacy calls (flat page tensors),
+and the KV transfer of a v2 call (either, as interface_v1 says). MaruStorage (the SGLang adapter), the
+hybrid pools (maru_sglang.hybrid) and TwoTiers (which adds a second tier behind this one) call it; it
+calls none of them. It counts what SGLang's calls moved, for get_stats(); a promotion (pages another tier
+just loaded, stored here) is counted by the caller, not as a set.
 """
 
 from __future__ import annotations
@@ -12,23 +14,28 @@ import time
 from typing import Callable, List
 
 import numpy as np
+import torch
 
 from maru_shm import Store
 
 from .namespace import KeySpace
-from .pages import page_pieces, store_pages
+from .pages import check_host_indices, page_pieces, store_pages
 
 LogOnce = Callable[[str, BaseException], None]
 
 
 class LocalTier:
-    """v1 page I/O against the pool: leading run, load, store (skipping pages present), promotion; counted."""
+    """KV page I/O against the pool: leading run, load, store (skipping pages present), promotion; counted.
 
-    def __init__(self, store: Callable[[], Store], keyspace: KeySpace, hybrid, is_writer: bool, log_once: LogOnce):
-        self._store = store  # the pool's store, attached on first use (MaruStorage.store)
+    `store()` is the pool's store (attached on first use, reopened if lost); `uses_pieces`: SGLang moves
+    pages as get_page_buffer_meta pieces (interface_v1), else as flat page tensors."""
+
+    def __init__(self, store: Callable[[], Store], keyspace: KeySpace, is_writer: bool, uses_pieces: bool,
+                 log_once: LogOnce):
+        self._store = store
         self.keyspace = keyspace
-        self.hybrid = hybrid  # the v2 pools of hybrid models (maru_sglang.hybrid)
         self.is_writer = is_writer
+        self.uses_pieces = uses_pieces
         self._log_once = log_once
         self.host_pool = None
         self.page_bytes: int | None = None
@@ -103,11 +110,62 @@ class LocalTier:
             self._log_once("promoting pages from the second tier", e)
             return 0
 
+    # ------------------------------------------------------------ legacy (flat page tensors)
+    def get_flat(self, keys: List[str], targets) -> List[torch.Tensor | None]:
+        """Load pages into flat page tensors (exact length required); each tensor, or None where it missed."""
+        if not keys:
+            return []
+        if targets is None or any(t is None for t in targets):
+            return [None] * len(keys)
+        try:
+            t0 = time.perf_counter()
+            pieces = [_flat_piece(t) for t in targets]
+            res = self._store().batch_get_pieces(keys, pieces, digests=self.keyspace.digests(keys))
+            self.account(res, t0, read=True)
+            return [t if ok else None for t, ok in zip(targets, res)]
+        except Exception as e:
+            self._log_once("batch_get", e)
+            return [None] * len(keys)
+
+    def set_flat(self, keys: List[str], values) -> bool:
+        """Store flat page tensors, skipping pages present; True when every page is stored."""
+        if not keys or not self.is_writer:
+            return True
+        if values is None or any(v is None for v in values):
+            return False
+        try:
+            t0 = time.perf_counter()
+            values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+            pieces = np.array([_flat_piece(v) for v in values], dtype=np.int64)  # (n, 1, 2)
+            sizes = set(pieces[:, 0, 1].tolist())
+            if len(sizes) != 1:
+                raise ValueError(f"legacy pages of different sizes in one batch: {sorted(sizes)}")
+            res, written = store_pages(self._store(), keys, self.keyspace.digests(keys), pieces, sizes.pop())
+            self.account(res, t0, read=False, written=written)
+            return all(res)
+        except Exception as e:
+            self._log_once("batch_set", e)
+            return False
+
     # ------------------------------------------------------------ v2 (hybrid models)
-    def promote_v2(self, transfers) -> int:
-        """Store v2 pages another tier just loaded; the number of pages the pool took."""
-        res = self.hybrid.batch_io_v2(self.hybrid.written_by_this_rank(transfers), write=True)
-        return sum(sum(r) for r in res.values())
+    def io_v2(self, keys: List[str], host_indices, write: bool, relations=None) -> List[bool]:
+        """The KV transfer of a v2 call: the KV pages themselves, under the keys v1 and legacy calls use, moved
+        as those calls move them (pieces with interface_v1, else one flat page tensor a key)."""
+        if self.uses_pieces:
+            return self.set_v1(keys, host_indices, relations) if write else self.get_v1(keys, host_indices)
+        host, ps = self.host_pool, int(getattr(self.host_pool, "page_size", 1) or 1)
+        check_host_indices(host, host_indices, len(keys))
+        out = []
+        for i, key in enumerate(keys):
+            at = int(host_indices[i * ps].item())
+            if write:
+                out.append(self.set_flat([key], [host.get_data_page(at, flat=True)]))
+            else:
+                page = self.get_flat([key], [host.get_dummy_flat_data_page()])[0]
+                if page is not None:
+                    host.set_from_flat_data_page(at, page)
+                out.append(page is not None)
+        return out
 
     # ------------------------------------------------------------ counts
     def account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
@@ -142,3 +200,10 @@ class LocalTier:
             self.prefetch_bw.clear()
             self.backup_bw.clear()
             return dict(self.stats)
+
+
+def _flat_piece(t: torch.Tensor) -> list:
+    """A flat page tensor as one piece, [[address, nbytes]]."""
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("legacy MaruStorage I/O needs contiguous CPU tensors")
+    return [(t.data_ptr(), t.numel() * t.element_size())]

@@ -21,17 +21,17 @@ same pool file and moves pages directly between its host pool and the file.
   misses meanwhile (maru_sglang.pool).
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
+- Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
+  Lineage, TwoTiers, SecondTier), which are given what they use and never call it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from functools import partial
 from typing import Any, List, Optional
 
-import numpy as np
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
@@ -44,7 +44,7 @@ from .hybrid import HybridPools
 from .lineage import Lineage
 from .localtier import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
-from .pages import host_indices_fit, store_pages
+from .pages import host_indices_fit
 from .pool import SharedPool
 from .tier2 import SecondTier
 from .twotier import TwoTiers
@@ -64,12 +64,16 @@ class MaruStorage(HiCacheStorage):
         self.mem_pool_host = None
         self._logged: set = set()
         self._lock = threading.Lock()
-        self.keyspace = KeySpace(lambda: self.store, self.log_once)  # whose pages these are, and the clear() nonce
+        store = lambda: self.store  # the parts below are given the store (reopened if lost), never this adapter
+        self.keyspace = KeySpace(store, self.log_once)  # whose pages these are, and the clear() nonce
         # the store, attached once the page sizes are known, and reopened (the namespace adopted) if lost
         self.pool = SharedPool(self.config, on_reattach=self.keyspace.adopt)
-        self.hybrid = HybridPools(self)  # extra host pools of hybrid models (v2 API)
-        self.local = LocalTier(lambda: self.store, self.keyspace, self.hybrid, self.is_writer, self.log_once)
-        self.lineage = Lineage(self, self.config.prefix_eviction)  # how pages relate, for eviction
+        self.local = LocalTier(store, self.keyspace, self.is_writer, self.uses_pieces, self.log_once)  # KV pages
+        # extra host pools of hybrid models (v2 API); a v2 call's KV transfer goes to the KV pages' tier
+        self.hybrid = HybridPools(self.local, store, self.keyspace, storage_config, self.is_writer,
+                                  self.pool.declare, self.log_once)
+        self.lineage = Lineage(self.config.prefix_eviction, store, self.keyspace, self.hybrid,
+                               self.log_once)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
 
@@ -200,7 +204,7 @@ class MaruStorage(HiCacheStorage):
         if not host_indices_fit(self.mem_pool_host, host_indices, len(keys), partial(self.log_once, "batch_set_v1")):
             return [False] * len(keys)
         seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
-        res = self.local_set_v1(keys, host_indices, self.lineage.records(seg, keys))
+        res = self.local_set_v1(keys, host_indices, seg.records(keys) if seg is not None else None)
         self.lineage.stored(seg)
         if self.tiers is not None and keys and self.is_writer:
             return self.tiers.write_through(keys, host_indices, res)
@@ -237,7 +241,7 @@ class MaruStorage(HiCacheStorage):
             self.tier2.register_v2(spec.host_pool, spec.name)
         self.tier2.start(self.storage_config, self.mem_pool_host, self.keyspace.tier_tag(self.hybrid.tags()),
                          status=(self.config.path, self.config.instance_id, self.config.mode, self.store.slot))
-        self.tiers = TwoTiers(self.local, self.tier2, self.is_writer, self.log_once)
+        self.tiers = TwoTiers(self.local, self.hybrid, self.tier2, self.is_writer, self.log_once)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
@@ -259,11 +263,6 @@ class MaruStorage(HiCacheStorage):
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)
 
     # ------------------------------------------------------------ legacy interface
-    def _tensor_piece(self, t: torch.Tensor):
-        if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("legacy MaruStorage I/O needs contiguous CPU tensors")
-        return [(t.data_ptr(), t.numel() * t.element_size())]
-
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> torch.Tensor | None:
         """Load one flat page into `target_location` (exact length required); the tensor or None."""
@@ -274,19 +273,7 @@ class MaruStorage(HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         """Legacy batch load into flat page tensors; counted in get_stats() exactly as batch_get_v1."""
-        if not keys:
-            return []
-        if target_locations is None or any(t is None for t in target_locations):
-            return [None] * len(keys)
-        try:
-            t0 = time.perf_counter()
-            pieces = [self._tensor_piece(t) for t in target_locations]
-            res = self.store.batch_get_pieces(keys, pieces, digests=self._digests(keys))
-            self.local.account(res, t0, read=True)
-            return [t if ok else None for t, ok in zip(target_locations, res)]
-        except Exception as e:
-            self.log_once("batch_get", e)
-            return [None] * len(keys)
+        return self.local.get_flat(keys, target_locations)
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
@@ -296,23 +283,7 @@ class MaruStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> bool:
         """Legacy batch store of flat page tensors: pages present are skipped, as in batch_set_v1, and the
         call is counted in get_stats() exactly as batch_set_v1."""
-        if not keys or not self.is_writer:
-            return True
-        if values is None or any(v is None for v in values):
-            return False
-        try:
-            t0 = time.perf_counter()
-            values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-            pieces = np.array([self._tensor_piece(v) for v in values], dtype=np.int64)  # (n, 1, 2)
-            sizes = set(pieces[:, 0, 1].tolist())
-            if len(sizes) != 1:
-                raise ValueError(f"legacy pages of different sizes in one batch: {sorted(sizes)}")
-            res, written = store_pages(self.store, keys, self._digests(keys), pieces, sizes.pop())
-            self.local.account(res, t0, read=False, written=written)
-            return all(res)
-        except Exception as e:
-            self.log_once("batch_set", e)
-            return False
+        return self.local.set_flat(keys, values)
 
     def exists(self, key: str) -> bool:
         try:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
+from .hybrid import HybridPools
 from .localtier import LocalTier
 
 
@@ -49,13 +50,16 @@ class Tier(Protocol):
 
 
 class TwoTiers:
-    """The read and write rules across the pool (`local`) and the tier behind it (`tier`).
+    """The read and write rules across the pool (`local`: its KV pages; `pools`: its v2 pools, for hybrid models)
+    and the tier behind it (`tier`).
 
     Calls go one way: the SGLang adapter (MaruStorage) calls this, this calls the two tiers. `is_writer`: this
     rank stores pages (promotions too); `log_once(what, error)` logs a failure once per cause."""
 
-    def __init__(self, local: LocalTier, tier: Tier, is_writer: bool, log_once: Callable[[str, BaseException], None]):
+    def __init__(self, local: LocalTier, pools: HybridPools, tier: Tier, is_writer: bool,
+                 log_once: Callable[[str, BaseException], None]):
         self.local = local
+        self.pools = pools
         self.tier = tier
         self.is_writer = is_writer
         self._log_once = log_once
@@ -143,7 +147,7 @@ class TwoTiers:
                 back.append(dataclasses.replace(ask, keys=[ask.keys[j] for j in ok],
                                                 host_indices=_rows(ask.host_indices, len(ask.keys), ok)))
         if back:
-            self.tier.count("promoted", self.local.promote_v2(back))
+            self.tier.count("promoted", self.pools.promote_v2(back))
         return results
 
     def write_through_v2(self, transfers, results: Dict[Any, List[bool]]) -> Dict[Any, List[bool]]:

@@ -115,7 +115,7 @@ def test_refused_host_indices_never_reach_the_second_tier(mha_llama):
 
     host, backend = mha_llama
     tier = _AskedTier()
-    backend.tiers = TwoTiers(backend.local, tier, backend.is_writer, backend.log_once)
+    backend.tiers = TwoTiers(backend.local, backend.hybrid, tier, backend.is_writer, backend.log_once)
     keys = prompt_keys(2, "oob-tier")
     inside = page_indices(host, 0, 2)
     assert backend.batch_get_v1(keys, inside) == [False, False] and tier.asked == ["batch_get_v1"]  # misses go on
