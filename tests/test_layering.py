@@ -1,6 +1,6 @@
 """The architecture, checked: layers import only downward, the allocator and the index never import each
-other, nothing imports in a cycle, the store imports none of its clients, and clients use only the public
-face of maru_shm.
+other, nothing imports in a cycle, the store imports none of its clients, clients use only the public
+face of maru_shm, and the backend's parts never reach back into its SGLang adapter (calls go one way).
 
     L5  __main__ (`python -m maru_shm`), the one module that may import a client: it hands over to the CLI
     L4  the Store facade, checks and repair, read-only pool view, administration
@@ -166,6 +166,47 @@ def test_clients_use_only_the_public_face(path):
                 bad += [f"maru_shm.{a.name}" for a in node.names if a.name not in maru_shm.__all__
                         and a.name != "__version__"]
     assert not bad, f"{path.name} reaches past `from maru_shm import ...`: {bad}"
+
+
+# The backend's parts below its SGLang adapter: the adapter builds and calls them, they never call it back.
+BELOW_THE_ADAPTER = ("hybrid", "lineage", "localtier", "twotier", "tier2")
+ADAPTER, ADAPTER_MODULE = "MaruStorage", "maru_sglang.maru_storage"
+
+
+def _adapter_handles(tree: ast.AST) -> list[str]:
+    """Where code (not a docstring or a message) names the adapter's class, or takes or reads a handle on the
+    adapter (`storage`, the name its parts knew it by)."""
+    out = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) \
+            else node.value if isinstance(node, ast.Constant) else None  # (a Constant: a string annotation)
+        if named == ADAPTER:
+            out.append(f"{where}: names {ADAPTER}")
+        elif isinstance(node, ast.arg) and node.arg == "storage":
+            out.append(f"{where}: takes the adapter as a parameter `storage`")
+        elif isinstance(node, ast.Attribute) and node.attr == "storage":
+            out.append(f"{where}: reads an attribute `.storage`")
+    return out
+
+
+@pytest.mark.parametrize("module", BELOW_THE_ADAPTER)
+def test_the_backend_parts_never_reach_back_into_the_adapter(module):
+    """Calls go one way: MaruStorage (the SGLang adapter) gives each part what it uses (a store getter, the
+    key space, the parts below it, flags, log_once); a part neither imports the adapter nor holds it."""
+    path = ROOT / "maru_sglang" / f"{module}.py"
+    bad = [f"imports {m}" for m in _imports(path) if m == ADAPTER_MODULE or m.startswith(ADAPTER_MODULE + ".")]
+    bad += _adapter_handles(ast.parse(path.read_text(), str(path)))
+    assert not bad, f"maru_sglang/{module}.py reaches back into {ADAPTER}:\n" + "\n".join(bad)
+
+
+def test_adapter_handles_are_seen():
+    """The test above would pass vacuously if _adapter_handles missed a handle on the adapter."""
+    source = ("class Part:\n    def __init__(self, storage: 'MaruStorage'):\n        self.storage = storage\n"
+              "    def call(self):\n        return self.storage.local_get_v1(MaruStorage.x)\n")
+    found = " ".join(_adapter_handles(ast.parse(source)))
+    assert found.count("names MaruStorage") == 2 and "parameter `storage`" in found and "`.storage`" in found
+    assert _adapter_handles(ast.parse('"""Built by MaruStorage."""\nx = "MaruStorage: pool"\n')) == []
 
 
 def test_relative_imports_are_resolved():
