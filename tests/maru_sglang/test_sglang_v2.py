@@ -16,6 +16,7 @@ hicache_storage.py) and through the hybrid controller's own hit query.
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 
@@ -735,3 +736,44 @@ def test_a_transfer_named_kv_moves_the_kv_pages_themselves(twin, v1):
     assert loaded["maru"] == loaded["file"]
     assert loaded["maru"][0] == {PoolName.KV: [True, True, True, False]}
     assert loaded["maru"][1][:3] == hh.pool_page_bytes(t.anchor, src, 3)
+
+
+def _handles_on(backend) -> list[str]:
+    """Paths, from the backend's attributes through every maru_sglang object they hold, that lead back to the
+    backend itself or to one of its methods other than log_once (a store getter closure is not followed)."""
+    seen, found = set(), []
+
+    def walk(obj, path):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if obj is backend:
+            found.append(path)
+        elif inspect.ismethod(obj):
+            if obj.__self__ is backend and obj.__name__ != "log_once":
+                found.append(f"{path} (MaruStorage.{obj.__name__})")
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+        elif type(obj).__module__.startswith("maru_sglang."):
+            attrs = dict(getattr(obj, "__dict__", {}))
+            attrs.update({s: getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)})
+            for k, v in attrs.items():
+                walk(v, f"{path}.{k}")
+
+    for name, part in vars(backend).items():
+        walk(part, name)
+    return found
+
+
+def test_no_part_of_the_backend_holds_a_handle_on_it(twin):
+    """Calls go one way (maru_storage.py): MaruStorage gives the parts it builds what they use (a store getter,
+    the key space, the parts below, flags, log_once), never itself; tests/test_layering.py checks the source."""
+    t = twin("mamba_swa")
+    t.set_kv(prompt_keys(2, "one-way"))
+    t.set_v2([("swa", prompt_keys(2, "one-way"), 0)])
+    assert t.maru.hybrid.pools and t.maru.lineage.enabled  # the parts are built and in use
+    assert _handles_on(t.maru) == []
