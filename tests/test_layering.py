@@ -177,7 +177,7 @@ def _adapter_handles(tree: ast.AST) -> list[str]:
     """Where code (not a docstring or a message) names the adapter's class, or takes or reads a handle on the
     adapter (`storage`, the name its parts knew it by)."""
     out = []
-    for node in ast.walk(tree):
+    for node in sorted(ast.walk(tree), key=lambda n: getattr(n, "lineno", 0)):
         where = f"line {getattr(node, 'lineno', '?')}"
         named = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) \
             else node.value if isinstance(node, ast.Constant) else None  # (a Constant: a string annotation)

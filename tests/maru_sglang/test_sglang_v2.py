@@ -744,12 +744,13 @@ def _handles_on(backend) -> list[str]:
     seen, found = set(), []
 
     def walk(obj, path):
+        if obj is backend:
+            found.append(path)
+            return
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        if obj is backend:
-            found.append(path)
-        elif inspect.ismethod(obj):
+        if inspect.ismethod(obj):
             if obj.__self__ is backend and obj.__name__ != "log_once":
                 found.append(f"{path} (MaruStorage.{obj.__name__})")
         elif isinstance(obj, dict):
