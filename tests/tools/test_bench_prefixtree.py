@@ -162,3 +162,17 @@ def test_tiny_hybrid_run_matches_the_unbounded_pool_when_nothing_is_evicted():
         assert run["ours"]["tokens"] == run["unbounded"]["tokens"] > 0
         assert run["unbounded"]["usable_live"] == pytest.approx(1.0)
         assert run["ours"]["usable_live"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_hybrid_tier_creates_its_pool_for_its_smallest_page(caplog):
+    """The bench drives MaruStorage as SGLang does: nothing touches the store before every v2 pool is
+    registered, so the pool is created for the smallest page and never warns that it was made for larger."""
+    from tools.benchmarks.prefixtree_hybrid import HybridMaruTier
+    caplog.set_level("WARNING", logger="maru_sglang")
+    tier = HybridMaruTier(256 << 20, True, "t-hybrid-sizing")
+    try:
+        assert tier.data_bytes < tier.file_bytes
+        assert tier.backend.store.stats()["file_bytes"] == 256 << 20
+        assert not [r for r in caplog.records if "created for larger values" in r.getMessage()]
+    finally:
+        tier.close()

@@ -193,8 +193,16 @@ class MaruBackend:
         extra = maru_extra(self.path, int(pool_size), maru_eager_map=False, maru_prefix_eviction=prefix_eviction)
         self.backend = StorageBackendFactory.create_backend("dynamic", config(extra), host)
         self.backend.register_mem_pool_host(host)
-        st = self.backend.store.stats()
-        self.file_bytes, self.data_bytes = st["file_bytes"], st["data_bytes"]
+
+    @property
+    def file_bytes(self) -> int:
+        """Read only after every host pool is registered: the first store access creates the pool, sized for
+        the smallest page registered by then (a hybrid model's v2 pools come after the anchor)."""
+        return self.backend.store.stats()["file_bytes"]
+
+    @property
+    def data_bytes(self) -> int:
+        return self.backend.store.stats()["data_bytes"]
 
     def info(self, prefix):
         return self._extra(prefix_keys=list(prefix))
