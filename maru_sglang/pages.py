@@ -75,10 +75,12 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
 
     A page present is never written again (another instance wrote it first: same key, same bytes), and
-    a key named twice in one call keeps its first copy, as SGLang's HiCacheFile does. Keys whose entry
-    sits in its home slot (cheap to ask, and where a present key almost always is) are looked up before
-    the copy; the others are written with the exact check under their shard lock at publication
-    (skip_existing, assume_absent), which keeps a present key displaced from its home slot.
+    a key named twice in one call keeps its first copy, as SGLang's HiCacheFile does. Every key whose
+    home slot holds an entry is looked up before the copy (`Store.maybe_present`; an empty home slot
+    proves a key absent): a present page gets no block, so offering it again never makes room by
+    evicting another value, whichever keys the index happens to have displaced. The pages written are
+    checked again under their shard lock at publication (skip_existing, assume_absent): a page another
+    process publishes meanwhile keeps its first copy.
     `relations` (one record per key, lineage.py) goes with the pages that are written.
     """
     n = len(keys)
@@ -89,14 +91,14 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
             first[i] = k not in seen
             seen.add(k)
     present = ~first
-    maybe = np.flatnonzero(store.home_hits(digests) & first)
+    maybe = np.flatnonzero(store.maybe_present(digests) & first)
     if maybe.size:
         found = store.resolve(digests[maybe], full=False)
         present[maybe] = found.ok & (found.lengths == page_bytes)
     todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * n, 0
-    written: list = []  # a key present but displaced from its home slot is skipped at publication
+    written: list = []  # a key another process published since the lookup is skipped at publication
     if todo.size == n:
         res = store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True,
                                      relations=relations, written=written)

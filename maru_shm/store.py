@@ -384,16 +384,13 @@ class Store:
         return resolve(self.att, digest_array(digests), full=full)
 
     @_entry
-    def home_hits(self, digests) -> np.ndarray:
-        """Cheap, lock-free hint for a batch: True where an entry for the digest sits in its home slot.
-
-        No probe, no validation: a key displaced from its home slot reads False, and
-        True is only "maybe present" (confirm with `resolve`). Writers use it to skip
-        the full lookup of keys that are almost surely new.
-        """
+    def maybe_present(self, digests) -> np.ndarray:
+        """Cheap, lock-free hint for a batch: False only where the digest's home slot is empty, which proves the
+        key absent (backward-shift deletion keeps every entry's probe path from its home slot unbroken). True
+        is "maybe present", also for a key displaced from its home slot: confirm with `resolve`. A writer that
+        skips present keys asks this, so a present key never gets a block (nor makes room for one)."""
         halves = digest_array(digests).view("<u8")
-        e = self.index.home_entries(halves[:, 0], halves[:, 1])
-        return (e[:, 0] == halves[:, 0]) & (e[:, 1] == halves[:, 1]) & (e[:, 2] != 0)
+        return self.index.home_entries(halves[:, 0], halves[:, 1])[:, 2] != 0
 
     @_entry
     def get_into(self, key, out) -> int | None:

@@ -16,6 +16,7 @@ import hicache_helpers as hh  # noqa: E402
 from hicache_helpers import page_bytes, page_indices, prompt_keys  # noqa: E402
 from maru_shm import Store  # noqa: E402
 from maru_shm.format import KIND_EXACT  # noqa: E402
+from maru_shm.index import digest_array  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -188,7 +189,7 @@ def test_value_of_another_length_is_never_loaded(mha_llama, delta):
 
 def test_a_present_page_is_never_written_again_wherever_its_index_entry_sits(make_instance):
     """720 keys stored, then each offered again with other bytes: every key keeps its first copy, also the
-    ~1 % whose entries are displaced from their home slot (the presence hint does not see those)."""
+    ~1 % whose entries are displaced from their home slot."""
     host, backend = make_instance(kind="mha", layout="page_first_direct", page_size=1, pages=16, size="256M")
     idx = page_indices(host, 0, 16)
     firsts = {}
@@ -201,7 +202,8 @@ def test_a_present_page_is_never_written_again_wherever_its_index_entry_sits(mak
     displaced = 0
     for r in range(45):
         keys = prompt_keys(16, f"twice-{r}")
-        displaced += int((~store.home_hits(backend._digests(keys))).sum())
+        h = digest_array(backend._digests(keys)).view("<u8")
+        displaced += int((store.index.probe(h[:, 0], h[:, 1], 1) < 0).sum())  # not in its home slot
         hh.fill_random(host, seed=900 + r)  # other bytes under the same keys
         assert backend.batch_set_v1(keys, idx) == [True] * 16
     assert displaced > 0, "no entry displaced from its home slot: the test would not test the exact skip"

@@ -50,18 +50,23 @@ def test_batch_lookup_matches_the_scalar_probe_in_a_crowded_index(pool_path, mak
         assert all(bytes(g) == make_value(k, 1, 2000) for k, g in zip(keys, got))
 
 
-def test_home_hits_is_a_hint_that_never_misses_a_key_at_home(pool_path, make_value):
-    """home_hits: True for every stored key whose entry is in its home slot, False for absent keys; a key
-    displaced by probing reads False (a writer then just writes it again)."""
+def test_maybe_present_never_misses_a_stored_key_wherever_its_entry_sits(pool_path, make_value):
+    """maybe_present: True for every stored key, also those displaced from their home slot, before and after
+    deletions shift entries back; False exactly where the home slot is empty (the key is absent)."""
     with Store.open(pool_path, "16M", create=True, granule=1024, index_shards=1, index_slots=128) as s:
-        keys = [f"key-{i}" for i in range(80)]
+        keys = [f"key-{i}" for i in range(100)]
         assert all(s.batch_put(keys, [make_value(k, 1, 2000) for k in keys]))
-        digests = digest_array([key_digest(k) for k in keys + [f"absent-{i}" for i in range(50)]])
-        hint = s.home_hits(digests)
-        h0, h1 = _halves(keys)
-        at_home = s.index.probe(h0, h1, 1) >= 0
-        assert hint[:80].tolist() == at_home.tolist() and at_home.any() and not at_home.all()
-        assert not hint[80:].any()
+        absent = [f"absent-{i}" for i in range(200)]
+        for stored in (keys, keys[::2]):
+            if stored is not keys:
+                assert all(s.delete(k) for k in keys[1::2])  # backward-shift deletes move displaced entries
+            h0, h1 = _halves(stored)
+            assert not (s.index.probe(h0, h1, 1) >= 0).all(), "no key displaced: the test would test nothing"
+            assert s.maybe_present(digest_array([key_digest(k) for k in stored])).all()
+            d = digest_array([key_digest(k) for k in absent])
+            empty_home = s.index.home_entries(*_halves(absent))[:, 2] == 0
+            hint = s.maybe_present(d)
+            assert hint.tolist() == (~empty_home).tolist() and not hint.all() and hint.any()
 
 
 def test_leading_run_matches_resolve_in_a_crowded_index(pool_path, make_value):
