@@ -49,8 +49,8 @@ class MaruConfig:
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
     # Record how pages relate, so eviction keeps what can still be a hit. None ("auto"): for hybrid models
-    # only, whose partner pools need group dooming; a plain model gets the plain per-class CLOCK, which the
-    # prefix-tree family shows never loses to the records across trace shapes (BENCHMARKS.md).
+    # only, whose partner pools need group dooming; a plain model gets the plain per-class CLOCK, because the
+    # records lose tokens to it where a host L2 holds the heads of chains (BENCHMARKS.md, prefix-tree family).
     prefix_eviction: bool | None = None
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
