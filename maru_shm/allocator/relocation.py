@@ -1,12 +1,10 @@
 """Mechanism: move the live values of slabs leaving their class into free blocks of the same class
 (memcached's slab rescue), so that a slab move evicts only what does not fit (FORMAT.md section 8, DESIGN.md section 7).
 
-A slab move evicts a window of slabs whose values belong to many requests; each evicted page dooms its
-request (relations.py). Where the giving class has free blocks in its other slabs, each live value of
-the window is copied into one, as a put of the same key would be: the target is RESERVED by this
-process, filled, committed LIVE, and then its index entry is switched from the old block to the new
-one, only if it still names the old block (`host.repoint_many`, under the shard locks). The old blocks
-are then unindexed and go with their slabs. Holding the CLASS locks of every class involved and POOL.
+An evicted value dooms its request (relations.py), and a window's values belong to many requests. So each
+live value of the window is copied into a free block of its class elsewhere as a put would write it, and
+its index entry is switched to the copy only if it still names the old block (`host.repoint_many`, under
+the shard locks). Holding the CLASS locks of every class involved and POOL.
 """
 
 from __future__ import annotations
@@ -44,11 +42,10 @@ class Relocator:
         return sum(self.slabs.nfree(h) for h in self._partial_slabs(info, leaving))
 
     def relocate(self, info: ClassInfo, live: list, lengths: list, leaving: set[int]) -> np.ndarray:
-        """Move live values (digest, offset, word) of the class, lengths `lengths`, out of the slabs `leaving`;
-        the mask of those whose index entry now names the copy (the old block is then unindexed: the
-        caller frees it with its slab). A value that no longer names its block when the entry is switched
-        (a writer replaced or deleted it) keeps the writer's state, and its copy is freed here. A length
-        past the block is damage: that value is not copied."""
+        """Move live values (digest, offset, word) of the class out of the slabs `leaving`; the mask of those
+        whose index entry now names the copy (the caller frees the old block with its slab). An entry a
+        writer replaced or deleted meanwhile stays the writer's, and the copy is freed here. A length past
+        the block is damage: that value is not copied."""
         moved = np.zeros(len(live), dtype=bool)
         which = [j for j, n in enumerate(lengths) if 0 <= n <= info.block]
         targets: list[int] = []
