@@ -2,18 +2,13 @@
 
 Kept blocks serve the process's own next allocations of a class, so most puts take no class lock. A kept
 block is owned by this process and unindexed: an overwrite's old block or one of ours that lost its
-publication (LIVE), or a spare a single-key put reserved beside its own block (RESERVED, no digest,
-length 0). No reader can reach it through the index, no other process frees or evicts a block a live
-process owns, and its bitmap bit and the class counts already say "used". `close` and a reaper settle
-kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEEP_BYTES bytes per class
-(at least one block), so an idle process holds back little of the pool; spares at most SPARE_BYTES.
+publication (LIVE), or a spare a single-key put reserved beside its own (RESERVED, length 0). No reader
+reaches it, no other process frees or evicts it, and the bitmap and counts already say "used". At most
+KEEP_MAX blocks and KEEP_BYTES bytes per class (at least one block), so an idle process holds back little.
 
-A public call that may own blocks (a put, a delete) has a ledger: every block it is about to make ours
-(reserve, reuse from a kept list, claim from the index, a slab move's copy) is noted there and in
+A call that may own blocks has a ledger: every block it is about to make ours is noted there and in
 `holders` *before* its owner is written, so at every bytecode each block this process owns is held by a
-kept list or by an open ledger (the last one to take it). A call that an exception ends hands what its
-ledger still holds to the reaper's settling (Store._entry); one that returns has given every block away
-(published, freed or kept). DESIGN.md section 9, "An exception in a live process".
+kept list or an open ledger (DESIGN.md section 9).
 """
 
 from __future__ import annotations
@@ -92,16 +87,19 @@ class KeptBlocks:
         """Before these blocks become ours (their owner written): the calling thread's call holds them
         (`indexed`: claimed from the index, which may still name them). Outside a call that keeps a ledger
         nothing is noted."""
-        mine = getattr(self._local, "ledger", None)
-        if mine is None or not mine.open:
-            return
         if indexed:
-            mine.indexed.update(offsets)
+            self.may_index(offsets)
         with self._guard:
+            self._hold(offsets)
+
+    def _hold(self, offsets) -> None:
+        """Guard held: the calling thread's open call holds these blocks (before they become ours or leave a
+        kept list)."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is not None and mine.open:
             mine.extend(offsets)
-            holders = self.holders
             for off in offsets:
-                holders[off] = mine
+                self.holders[off] = mine
 
     def may_index(self, offsets) -> None:
         """Shard locks held, before blocks of the calling thread's call are published: the index may name
@@ -149,9 +147,6 @@ class KeptBlocks:
             return [off for off in owned
                     if off not in kept and not (off in holders and holders[off].open)]
 
-    def has(self, cid: int) -> bool:
-        return bool(self.lists.get(cid))
-
     def count(self, cid: int) -> int:
         return len(self.lists.get(cid, ()))
 
@@ -165,10 +160,7 @@ class KeptBlocks:
 
     def offer(self, info: ClassInfo, items: list, owner: int) -> list:
         """Keep what fits under the limit of the blocks still ours with that word; return the rest (to free).
-
-        A block published by this batch and then evicted by it is not ours any more: freed. A block that is
-        not a block start of the class is never kept (trust no offset).
-        """
+        A block this batch published and then evicted is not ours any more, nor is a non-block offset."""
         room = keep_limit(info) - len(self.lists.get(info.cid, ()))
         if room <= 0:
             return items
@@ -186,18 +178,9 @@ class KeptBlocks:
         """Empty every list: the (offset, word) pairs it held, for the caller to free (its call holds them)."""
         with self._guard:
             items = [item for lst in self.lists.values() for item in lst]
-            self._hold_taken(items)
+            self._hold([off for off, _ in items])
             self.lists.clear()
         return items
-
-    def _hold_taken(self, items) -> None:
-        """Guard held: blocks about to leave a list are the calling thread's call's (before they leave it)."""
-        mine = getattr(self._local, "ledger", None)
-        if mine is not None and mine.open:
-            offs = [off for off, _ in items]
-            mine.extend(offs)
-            for off in offs:
-                self.holders[off] = mine
 
     def give_back(self, cid: int, offsets: list[int]) -> None:
         """Spares (RESERVED blocks of ours, no value yet) join the list."""
@@ -206,21 +189,17 @@ class KeptBlocks:
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
 
     def reuse(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
-        """Re-reserve kept blocks for the first values of a batch; no lock.
-
-        The owner moves a kept block LIVE -> RESERVED itself, as it moves RESERVED -> LIVE at commit: the
-        word first (the next sequence: a reader still holding the old word fails validation from then
-        on), then digest, length, owner, ref. A block whose word or owner is not what was kept (the pool
-        was cleared) is dropped from the list and left alone. No demand is counted: the class does not
-        grow. FORMAT.md section 8, put step 6; DESIGN.md section 5.
-        """
+        """Re-reserve kept blocks for the first values of a batch, without a lock (FORMAT.md section 8, put
+        step 6): word first, so a reader holding the old word fails validation. A block whose word or owner
+        is not what was kept (the pool was cleared) is dropped and left alone. No demand is counted: the
+        class does not grow."""
         m = len(lengths)
         with self._guard:
             lst = self.lists.get(info.cid)
             if not lst:
                 return []
             take = lst[-m:]
-            self._hold_taken(take)
+            self._hold([off for off, _ in take])
             del lst[-m:]
         out: list[int] = []
         for off, word in take:
