@@ -2,22 +2,13 @@
 (FORMAT.md section 6a).
 
 A page of a prompt serves only while every page before it in its chain, and its partner pages in the other
-pools of a hybrid model, are present too. A writer that knows this gives the store a record per value:
-
-    group    the chain *segment* the value belongs to (one set call of a request: its pages in every pool),
-             a 32-bit hash; 0 means "no record"
-    parent   the segment holding the page just before the segment's first page (0: none, a root)
-    depth    the value's position within its segment; bit 15 (TRAILING) says that losing this value strands
-             the whole segment (a sliding-window or Mamba state page), not only the pages from its depth on
-    branch   the position, within the parent segment, of the page just before this segment's first page
-
-The record sits beside the block meta (one per granule, the granule where the block starts) and names the
-lifetime it was written for (`tag`, the low 16 bits of the block's LIVE word), so a record of an earlier
-lifetime is not applied. When eviction takes a related value it pushes a *doom* into the ring:
-(group, from), "pages of this segment at position >= from can no longer be a hit". A value is stranded when
-a doom pushed after its birth covers it, or covers its parent at or below its branch point; eviction takes
-stranded values first (blockclock.py). Records and dooms are hints: any value in them costs hits at worst,
-never bytes, and nothing checks or repairs them.
+pools of a hybrid model, are present too. A writer that knows this gives each value a record: its chain
+*segment* (`group`), the segment before it (`parent`, at position `branch`) and its position (`depth`,
+with TRAILING). When eviction takes a related value it pushes a *doom* (group, from) into the ring: "pages
+of this segment at position >= from can no longer be a hit". A value a doom pushed after its birth covers,
+directly or through its parent, is stranded; eviction takes stranded values first (blockclock.py).
+Records and dooms are hints: any value in them costs hits at worst, never bytes, and nothing checks or
+repairs them.
 """
 
 from __future__ import annotations
@@ -123,11 +114,11 @@ class Relations:
         # the cursor's low 16 bits, so the dooms since are the cursor's distance from it, mod 2^16.
         c = self.cursor()
         since = (c - ((c - int(rows["born"][0])) & 0xFFFF)) & 0xFFFF_FFFF
-        words = self._entry_words(since)
-        if len(words) <= SCALAR_DOOMS:
-            stranded = _one_covered(rows[0], words.tolist())
+        ring = self._entries(since)
+        if len(ring) <= SCALAR_DOOMS:
+            stranded = _one_covered(rows[0], ring.view(np.uint64).tolist())
         else:
-            by_group, by_parent = self._stranded_by(rows, valid, words.view(DOOM_DTYPE))
+            by_group, by_parent = self._stranded_by(rows, valid, ring)
             stranded = bool(by_group[0] or by_parent[0])
         return None if stranded else (int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX)
 
@@ -158,17 +149,13 @@ class Relations:
 
     def _entries(self, since: int | None) -> np.ndarray:
         """The ring's entries pushed from cursor `since` on (all of them without it, or once it is a whole
-        ring behind), as a copy: other processes push meanwhile."""
-        return self._entry_words(since).view(DOOM_DTYPE)
-
-    def _entry_words(self, since: int | None) -> np.ndarray:
-        """`_entries` as u64 words (group | from << 32 | seq << 48, DOOM_DTYPE little-endian)."""
+        ring behind), as a copy: other processes push meanwhile. Copied and filtered as words."""
         new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
         if new is not None and new < DOOM_ENTRIES:
             words = self.ring_words[np.arange(since, since + new) % DOOM_ENTRIES]
         else:
             words = self.ring_words.copy()
-        return words[(words & np.uint64(0xFFFF_FFFF)) != 0]
+        return words[(words & np.uint64(0xFFFF_FFFF)) != 0].view(DOOM_DTYPE)
 
     def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
         """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
@@ -219,9 +206,8 @@ class Relations:
 
 
 def _one_covered(row, words: list) -> bool:
-    """`stranded` for one record against a few ring words, in Python (numpy's cost per call would dominate):
-    a doom of its group at or below its depth, or of its parent at or below its branch point, pushed at or
-    after its birth."""
+    """`stranded` for one record against a few ring words (group | from << 32 | seq << 48), in Python: numpy's
+    cost per call would dominate."""
     group, parent, born = int(row["group"]), int(row["parent"]), int(row["born"])
     depth, branch = int(row["depth"]) & DEPTH_MAX, int(row["branch"])
     for w in words:
