@@ -19,10 +19,9 @@ from .release import BlockRelease
 from .slabtable import SlabTable
 
 
-# Blocks: one search for stranded values reads at most this many blocks of a class (whole slabs, at least one;
-# 8192 blocks of 128 KiB pages: a 1 GiB class). A larger class is searched in windows, each search going on
-# from where this process's last one ended (its *lap*); its records are read 8 bytes a block, its metas only
-# where a doom names the record.
+# Blocks one search for stranded values reads (whole slabs, at least one; 8192 pages of 128 KiB: 1 GiB). A
+# larger class is searched in windows, each going on where this process's last one ended (its *lap*),
+# reading 8 bytes of record a block and the metas only where a doom names the record.
 STRANDED_SCAN = 8192
 
 
@@ -31,9 +30,8 @@ class BlockClock:
         self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
         self.relations = relations
         # class id -> doom cursor at the start of this process's last lap over the whole class whose every
-        # window took each stranded value it found. A value is stranded only by a doom pushed after its record
-        # was written (a writer of a segment born stranded pushes one too), so from then on only newer dooms
-        # strand values there.
+        # window took each stranded value it found: a doom strands only values written before it, so from
+        # then on only newer dooms strand values there.
         self._searched_at: dict[int, int] = {}
         # class id -> (head unit of the last slab searched, doom cursor when the lap began): a lap under way.
         self._lap: dict[int, tuple[int, int]] = {}
@@ -101,11 +99,12 @@ class BlockClock:
             g, q, eligible, ref = self._read(info, heads, ring)
             if t >= n and picked:
                 eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
-            victims, chosen = self._choose(g, q, eligible, ref, m - got, related, since)
+            victims = self._choose(g, q, eligible, ref, m - got, related, since)
             got += len(victims)
             end = int(victims.max()) + 1 if got == m else len(ring)
-            passed = (eligible & ref & ~chosen)[:end]  # second chances: cleared as the hand passes
-            self.metas.meta_refs[g[:end][passed]] = 0
+            passed = eligible & ref  # second chances: cleared as the hand passes
+            passed[victims] = False
+            self.metas.meta_refs[g[:end][passed[:end]]] = 0
             if len(victims):
                 picked.append(ring[victims])
                 rows.append(q[victims])
@@ -165,22 +164,18 @@ class BlockClock:
         valid &= eligible
         by_group, by_parent = self.relations.stranded(recs, valid, since)
         victims = np.flatnonzero(valid & (by_group | by_parent))[:m]
-        if not len(victims):
-            return none
         return ring[victims], q[victims], (recs[victims], by_parent[victims])
 
     def _choose(self, g, q, eligible, ref, want: int, related: list, since: int | None):
-        """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask). Without
-        relation records the first unreferenced blocks in ring order (the plain CLOCK); with them, stranded
-        values first (whatever their ref), then unreferenced ones in `_victim_order`, the records of the
-        related victims going to `related` for the doom.
+        """Up to `want` victims among one chunk of the ring (chunk positions). Without relation records the
+        first unreferenced blocks in ring order (the plain CLOCK); with them, stranded values first (whatever
+        their ref), then unreferenced ones in `_victim_order`; the related victims' records go to `related`.
         """
         rel = self.relations
-        rows = valid = None
         if rel.enabled:
             rows, valid = rel.of(g, q[:, META_COL_WORD])
             valid &= eligible
-        if rows is None or not valid.any():
+        if not rel.enabled or not valid.any():
             victims = np.flatnonzero(eligible & ~ref)[:want]
         else:
             by_group, by_parent = rel.stranded(rows, valid, since)
@@ -190,9 +185,7 @@ class BlockClock:
             mine = victims[valid[victims]]
             if len(mine):
                 related.append((rows[mine], by_parent[mine]))
-        chosen = np.zeros(len(g), dtype=bool)
-        chosen[victims] = True
-        return victims, chosen
+        return victims
 
     def _free_victims(self, info: ClassInfo, heads, index, offs, g, batch: bool) -> None:
         """Free victims still ours: a batch at once (release.free_many), a few block by block in victim order

@@ -52,12 +52,9 @@ class DemandPolicy:
         self.cls_k = self.cls_nslabs = self.cls_demand = self.cls_epoch = None
 
     def add(self, cid: int, nbytes: int) -> None:
-        """CLASS[cid] held: add an allocation's bytes to the class's decayed demand.
-
-        The pool-wide epoch and its byte accumulator are hints written without a lock (a lost update
-        only shifts when the next halving happens). The class counter is decayed lazily: it holds its
-        value as of `epoch`, and is halved once per epoch passed since.
-        """
+        """CLASS[cid] held: add an allocation's bytes to the class's decayed demand, which holds its value as
+        of its `epoch` and is halved once per epoch passed since. The pool-wide epoch and its accumulator are
+        hints written without a lock: a lost update only shifts when the next halving happens."""
         mm = self.mm
         (epoch,) = U32.unpack_from(mm, DEMAND_EPOCH_OFF)
         (acc,) = U64.unpack_from(mm, DEMAND_ACC_OFF)

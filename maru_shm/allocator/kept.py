@@ -84,17 +84,15 @@ class KeptBlocks:
         self._local.ledger = None
 
     def track(self, offsets, indexed: bool = False) -> None:
-        """Before these blocks become ours (their owner written): the calling thread's call holds them
-        (`indexed`: claimed from the index, which may still name them). Outside a call that keeps a ledger
-        nothing is noted."""
+        """Before these blocks become ours (their owner written): the calling thread's call, if it keeps a
+        ledger, holds them (`indexed`: claimed from the index, which may still name them)."""
         if indexed:
             self.may_index(offsets)
         with self._guard:
             self._hold(offsets)
 
     def _hold(self, offsets) -> None:
-        """Guard held: the calling thread's open call holds these blocks (before they become ours or leave a
-        kept list)."""
+        """Guard held: the calling thread's open call holds these blocks (before they become ours or leave a list)."""
         mine = getattr(self._local, "ledger", None)
         if mine is not None and mine.open:
             mine.extend(offsets)
@@ -123,9 +121,8 @@ class KeptBlocks:
         mine = getattr(self._local, "ledger", None)
         with self._guard:
             h = self.holders.get(off)
-            if h is not None and h is not mine and h.open:
-                return True
-            return any(o == off for lst in self.lists.values() for o, _ in lst)
+            return (h is not None and h is not mine and h.open) or any(
+                o == off for lst in self.lists.values() for o, _ in lst)
 
     def to_strays(self, offsets) -> None:
         """The calling thread's call could not settle these: they stay held, by `strays`, for close()."""
@@ -137,15 +134,12 @@ class KeptBlocks:
                     self.strays.append(off)
 
     def untracked(self, owned_now) -> list[int]:
-        """The blocks this process owns (`owned_now()`, offsets) that no kept list and no open ledger holds:
-        leaked. Read under the guard, so no block is taken or given back to a list meanwhile (every
-        block becomes ours only after `track`, which waits for it)."""
+        """The blocks this process owns (`owned_now()`, offsets) that no kept list and no open ledger holds: leaked.
+        Read under the guard, which `track` waits for before any block becomes ours."""
         with self._guard:
             owned = owned_now()
             kept = {o for lst in self.lists.values() for o, _ in lst}
-            holders = self.holders
-            return [off for off in owned
-                    if off not in kept and not (off in holders and holders[off].open)]
+            return [off for off in owned if off not in kept and not (off in self.holders and self.holders[off].open)]
 
     def count(self, cid: int) -> int:
         return len(self.lists.get(cid, ()))
@@ -189,10 +183,9 @@ class KeptBlocks:
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
 
     def reuse(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
-        """Re-reserve kept blocks for the first values of a batch, without a lock (FORMAT.md section 8, put
-        step 6): word first, so a reader holding the old word fails validation. A block whose word or owner
-        is not what was kept (the pool was cleared) is dropped and left alone. No demand is counted: the
-        class does not grow."""
+        """Re-reserve kept blocks for the first values of a batch, without a lock (FORMAT.md section 8, put step
+        6). A block whose word or owner is not what was kept (the pool was cleared) is dropped and left alone.
+        No demand is counted: the class does not grow."""
         m = len(lengths)
         with self._guard:
             lst = self.lists.get(info.cid)

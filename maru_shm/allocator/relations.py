@@ -68,9 +68,8 @@ class Relations:
 
     # ---------------------------------------------------------------- which classes may hold records
     def mark_classes(self, cids) -> None:
-        """Before a writer writes records into these classes: each entry's `related` says the class may hold
-        them (FORMAT.md section 4). No lock: a store of 1, skipped when set; only a repair clearing the entry
-        clears it."""
+        """Before a writer writes records into these classes: set each entry's `related` (FORMAT.md section 4).
+        No lock: a store of 1, skipped when set; only a repair clearing the entry clears it."""
         if not self.enabled:
             return
         for cid in cids:
@@ -87,12 +86,9 @@ class Relations:
 
     # ---------------------------------------------------------------- the writer
     def write(self, offsets, live_words, rel: np.ndarray) -> np.ndarray:
-        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime;
-        the granules written (none in a pool without records).
-
-        `live_words` are the words the commit will store: a record applies from the commit on, and a crash
-        before it leaves a record whose tag no LIVE word of that block carries.
-        """
+        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime; the
+        granules written. It is tagged with `live_words`, the words the commit will store: it applies from
+        the commit on, and a crash before it leaves a record whose tag no LIVE word of that block carries."""
         if not self.enabled or not len(offsets):
             return np.zeros(0, dtype=np.int64)
         g = np.asarray(offsets, dtype=np.int64) >> self.shift
@@ -131,9 +127,8 @@ class Relations:
         return rows, valid
 
     def named(self, g: np.ndarray, since: int | None = None) -> np.ndarray:
-        """Mask of granules g whose record's group or parent a doom names (pushed from cursor `since` on, if
-        given): the only ones `stranded` can find. Reads the records alone, not their blocks' metas, and
-        checks neither tag nor birth: a cheap first cut of a whole-class search."""
+        """Mask of granules g whose record's group or parent a doom (from cursor `since` on) names: a cheap first
+        cut of a whole-class search, reading neither the blocks' metas nor the records' tag and birth."""
         ring = self._entries(since)
         if not len(ring):
             return np.zeros(len(g), dtype=bool)
@@ -221,8 +216,6 @@ def _one_covered(row, words: list) -> bool:
 def _covered(groups, depth, born, valid, ring) -> np.ndarray:
     """Per value: does a ring entry of its group, pushed at or after its birth, start at or below `depth`?"""
     out = np.zeros(len(groups), dtype=bool)
-    if not valid.any():
-        return out
     near = ring[np.isin(ring["group"], groups[valid])]  # entries naming a candidate (few candidates: a loop)
     if not len(near):
         return out

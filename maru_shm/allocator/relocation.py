@@ -64,10 +64,8 @@ class Relocator:
         switched = self.host.repoint_many(halves, np.array([o for _, o, _ in values], dtype=np.uint64),
                                           np.array([w for _, _, w in values], dtype=np.uint64),
                                           np.array(targets, dtype=np.uint64), np.array(words, dtype=np.uint64))
-        for new, ok in zip(targets, switched.tolist()):
-            if not ok:
-                h, cinfo, i = self.slabs.block_index(new)
-                self.release.free_block(h, cinfo, i, new)
+        lost = [(new, w) for new, w, ok in zip(targets, words, switched.tolist()) if not ok]  # a writer's entry won
+        self.release.free_listed(info.cid, lost)
         moved[which] = switched
         return moved
 

@@ -31,10 +31,9 @@ class SlabMover:
         self.relocator = Relocator(host, slabs, metas, release, relations)
 
     def move_slab(self, info: ClassInfo, donors=None, may_evict: bool = True) -> bool:
-        """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids;
-        None: any class's) and format a slab of the class there. Live values move to free blocks of their
-        class outside the window (relocation.py); those that do not fit are evicted, or, without
-        `may_evict`, the window is passed over."""
+        """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids; None: any
+        class's) and format a slab of the class there. Values that fit nowhere else in their class are
+        evicted, or, without `may_evict`, the window is passed over."""
         u = self.evict_for(info, donors, may_evict)
         if u is None:
             return False
@@ -131,14 +130,11 @@ class SlabMover:
         return True
 
     def evict_slabs(self, slabs: list[tuple[int, ClassInfo]], may_evict: bool = True) -> None:
-        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units.
-
-        Live values first move to free blocks of their class outside these slabs (relocation.py); with
-        `may_evict` the rest are unpublished in one round of their shard locks. A slab keeps its units if
-        a live process claimed one of its blocks meanwhile (an owner, or, once the claimant kept, reused
-        and published the block again, a word that moved on since `before`), or if it holds a value that
-        neither moved nor was unpublished; the caller looks for a free run anyway.
-        """
+        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units. Live values move to
+        free blocks of their class elsewhere (relocation.py); with `may_evict` the rest are unpublished in one
+        round of their shard locks. A slab keeps its units if a live process claimed one of its blocks
+        meanwhile (an owner, or, once the claimant kept, reused and published the block again, a word that
+        moved on since `before`), or if it holds a value that neither moved nor was unpublished."""
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
         rows, valid, dead, orphaned = self._records(live)
@@ -158,12 +154,12 @@ class SlabMover:
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
             mine = where == s
-            settled = may_evict or bool((relocated | gone)[mine].all())  # without may_evict: all moved or dead
+            settled = may_evict or bool(unindexed[mine].all())  # without may_evict: all moved or dead
             if settled and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
-            else:
-                self._free_unindexed(h, info, [live[j] for j in np.flatnonzero(mine & unindexed)])
+            else:  # no entry names these any more, and under the class lock no claim on them can follow
+                self.release.free_listed(info.cid, [live[j][1:] for j in np.flatnonzero(mine & unindexed)])
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                         orphans_freed=len(rest) - evicted)
 
@@ -177,10 +173,9 @@ class SlabMover:
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
     def _records(self, live: list):
-        """The live values' relation records, read once, with masks of those that apply, of those a doom has
-        stranded and of those stranded through their parent. A move frees stranded values and never
-        carries them: carried, one could land in a window this process's stranded search has passed in its
-        lap (DESIGN.md section 8). One stranded through its parent dooms its whole segment."""
+        """The live values' relation records, read once, and masks of those that apply, of those a doom has
+        stranded and of those stranded through their parent. A move never carries a stranded value: it could
+        land in a window this process's stranded search has passed in its lap (DESIGN.md section 8)."""
         none = np.zeros(len(live), dtype=bool)
         if not live or not self.relations.enabled:
             return None, none, none, none
@@ -205,9 +200,8 @@ class SlabMover:
         return moved
 
     def _live_blocks(self, slabs):
-        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A
-        length its check refutes is damage: -1, so that the value is never copied (the copy would carry
-        the length with a new check), only evicted with its slab."""
+        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A length
+        its check refutes is -1: never copied (the copy would carry it with a new check), only evicted."""
         live, lengths, where = [], [], []
         unit = self.slabs.geo.unit_size
         for s, (h, info) in enumerate(slabs):
@@ -223,15 +217,6 @@ class SlabMover:
     def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
         """The granules where the blocks of slab h start (their block metas)."""
         return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
-
-    def _free_unindexed(self, h: int, info: ClassInfo, blocks) -> None:
-        """Slab h stays (a live process claimed a block of it first, or a value neither moved nor was to be
-        evicted): free the blocks whose entries we removed or switched to a copy. No entry names them, and
-        we hold the class lock, so no claim on them can follow."""
-        unit = self.slabs.geo.unit_size
-        for _, off, word in blocks:
-            if self.metas.word(self.metas.meta_off(off)) == word:
-                self.release.free_block(h, info, (off - h * unit) // info.block, off)
 
     def _return_units(self, h: int, info: ClassInfo) -> None:
         """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap
