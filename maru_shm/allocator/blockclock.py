@@ -27,8 +27,7 @@ STRANDED_SCAN = 8192
 
 class BlockClock:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
-        self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
-        self.relations = relations
+        self.host, self.slabs, self.metas, self.release, self.relations = host, slabs, metas, release, relations
         # class id -> doom cursor at the start of this process's last lap over the whole class whose every
         # window took each stranded value it found: a doom strands only values written before it, so from
         # then on only newer dooms strand values there.
@@ -89,9 +88,7 @@ class BlockClock:
         p %= n
         chunk = max(4 * m, 512)
         since = self._searched_at.get(info.cid)  # dooms before it stranded nothing left in the class
-        picked: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
-        related: list[tuple] = []
+        picked, rows, related = [], [], []  # per chunk: ring positions, meta rows, (records, by parent)
         got = t = 0
         while t < 2 * n and got < m:
             t1 = min(t + chunk, n if t < n else 2 * n)
@@ -152,13 +149,12 @@ class BlockClock:
 
     def _stranded_in(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, ring: np.ndarray):
         """Up to m stranded values among these ring positions (_stranded_window's result)."""
-        none = np.zeros(0, dtype=np.int64), None, None
         # Records first (their first 8 bytes: group and parent): only a block whose group or parent a doom
         # names is read further.
         g = self._granules(info, heads, ring)
         ring = ring[self.relations.named(g, since)]
         if not len(ring):
-            return none
+            return np.zeros(0, dtype=np.int64), None, None
         g, q, eligible, _ = self._read(info, heads, ring)
         recs, valid = self.relations.of(g, q[:, META_COL_WORD])
         valid &= eligible

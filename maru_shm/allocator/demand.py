@@ -89,8 +89,7 @@ class DemandPolicy:
         age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
         dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
         if dem[cid] <= 0:
-            none = np.zeros(0, dtype=np.int64)
-            return Donors(none, none)
+            return Donors(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         now, taker = units[cid] / dem[cid], (units[cid] + k[cid]) / dem[cid]
         with np.errstate(divide="ignore", invalid="ignore"):
             giver = np.where(dem > 0, (units - k) / dem, np.inf)

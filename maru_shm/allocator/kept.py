@@ -1,14 +1,12 @@
 """Who in this process holds each block it owns: a kept list, or a call in flight (its ledger).
 
-Kept blocks serve the process's own next allocations of a class, so most puts take no class lock. A kept
-block is owned by this process and unindexed: an overwrite's old block or one of ours that lost its
-publication (LIVE), or a spare a single-key put reserved beside its own (RESERVED, length 0). No reader
-reaches it, no other process frees or evicts it, and the bitmap and counts already say "used". At most
-KEEP_MAX blocks and KEEP_BYTES bytes per class (at least one block), so an idle process holds back little.
-
-A call that may own blocks has a ledger: every block it is about to make ours is noted there and in
-`holders` *before* its owner is written, so at every bytecode each block this process owns is held by a
-kept list or an open ledger (DESIGN.md section 9).
+Kept blocks (owned by this process and unindexed: an overwrite's old block, one of ours that lost its
+publication, a spare a single-key put reserved) serve the process's next allocations of a class, so most
+puts take no class lock: no reader reaches them, no other process frees them, and the bitmap and counts
+already say "used". At most KEEP_MAX blocks and KEEP_BYTES bytes per class (one at least): an idle process
+holds back little. A call that may own blocks notes each in its ledger *before* its owner is written, so
+at every bytecode each block this process owns is held by a kept list or an open ledger (DESIGN.md
+section 9).
 """
 
 from __future__ import annotations

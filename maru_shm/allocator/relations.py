@@ -1,14 +1,10 @@
 """Relation records and the doom ring: how values relate, so that eviction keeps what can still be a hit
-(FORMAT.md section 6a).
+(FORMAT.md section 6a, DESIGN.md section 8).
 
 A page of a prompt serves only while every page before it in its chain, and its partner pages in the other
-pools of a hybrid model, are present too. A writer that knows this gives each value a record: its chain
-*segment* (`group`), the segment before it (`parent`, at position `branch`) and its position (`depth`,
-with TRAILING). When eviction takes a related value it pushes a *doom* (group, from) into the ring: "pages
-of this segment at position >= from can no longer be a hit". A value a doom pushed after its birth covers,
-directly or through its parent, is stranded; eviction takes stranded values first (blockclock.py).
-Records and dooms are hints: any value in them costs hits at worst, never bytes, and nothing checks or
-repairs them.
+pools of a hybrid model, are present too. Eviction that takes a related value pushes a *doom* for its
+segment; the values a doom strands are taken first (blockclock.py). Records and dooms are hints: any value
+in them costs hits at worst, never bytes, and nothing checks or repairs them.
 """
 
 from __future__ import annotations

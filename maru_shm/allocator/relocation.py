@@ -23,7 +23,6 @@ from .slabtable import SlabTable, get32
 class Relocator:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
         self.host, self.slabs, self.metas, self.release, self.relations = host, slabs, metas, release, relations
-        self.kept = release.kept  # our call's ledger holds the copies until they are switched or freed
 
     def _partial_slabs(self, info: ClassInfo, leaving: set[int]) -> list[int]:
         """The class's partial slabs outside `leaving`, in list order; the walk stops at a damaged link."""
@@ -74,7 +73,7 @@ class Relocator:
         `ref`, then the word LIVE (still ours). The copies' words."""
         owner, metas, geo = self.host.owner, self.metas, self.slabs.geo
         words = []
-        self.kept.track(targets)
+        self.release.kept.track(targets)  # our call's ledger holds the copies until they are switched or freed
         data = np.frombuffer(self.slabs.mm, dtype=np.uint8, count=geo.data_bytes, offset=geo.off_data)
         try:
             for (d, old, _), length, new in zip(values, lengths, targets):
