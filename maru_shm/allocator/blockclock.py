@@ -1,14 +1,9 @@
-"""Mechanism: evict blocks within a class, chosen by the class's block CLOCK (DESIGN.md section 7).
+"""Mechanism: evict blocks within a class, chosen by the class's block CLOCK (DESIGN.md sections 7 and 8).
 
-The hand (class entry `hand`) walks the class's blocks in address order (slabs by head unit, blocks by
-index). A LIVE block without owner whose `ref` is clear is a victim; a set `ref` is cleared as the hand
-passes. RESERVED, FREE, owned and pinned blocks are skipped.
-
-Where the blocks under the hand carry relation records (relations.py), the stranded values of each chunk
-the hand reads go first (whatever their ref), then the unreferenced ones segment by segment, deepest
-first: a request's pages in the class go together, and a chain loses its tail before its head. Each
-victim's segment is then doomed for the other classes. `evict_blocks(stranded_only=True)` searches the class for stranded values, a window of
-slabs at a time, and leaves the hand where it is.
+The hand (class entry `hand`) walks the class's blocks in address order. A LIVE, unowned, unpinned block
+whose `ref` is clear is a victim; a set `ref` is cleared as the hand passes. Where the blocks carry
+relation records (relations.py), stranded values go first, then the others segment by segment, deepest
+first: a request's pages in the class go together, and a chain loses its tail before its head.
 """
 
 from __future__ import annotations
@@ -24,37 +19,31 @@ from .release import BlockRelease
 from .slabtable import SlabTable
 
 
-# Blocks: one search for stranded values reads at most this many blocks of a class (whole slabs, at least one;
-# 8192 blocks of 128 KiB pages: a 1 GiB class). A larger class is searched in windows, each search going on
-# from where this process's last one ended (its *lap*); its records are read 8 bytes a block, its metas only
-# where a doom names the record.
+# Blocks one search for stranded values reads (whole slabs, at least one; 8192 pages of 128 KiB: 1 GiB). A
+# larger class is searched in windows, each going on where this process's last one ended (its *lap*),
+# reading 8 bytes of record a block and the metas only where a doom names the record.
 STRANDED_SCAN = 8192
 
 
 class BlockClock:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
-        self.host, self.slabs, self.metas, self.release = host, slabs, metas, release
-        self.relations = relations
+        self.host, self.slabs, self.metas, self.release, self.relations = host, slabs, metas, release, relations
         # class id -> doom cursor at the start of this process's last lap over the whole class whose every
-        # window took each stranded value it found. A value is stranded only by a doom pushed after its record
-        # was written (a writer of a segment born stranded pushes one too), so from then on only newer dooms
-        # strand values there.
+        # window took each stranded value it found: a doom strands only values written before it, so from
+        # then on only newer dooms strand values there.
         self._searched_at: dict[int, int] = {}
         # class id -> (head unit of the last slab searched, doom cursor when the lap began): a lap under way.
         self._lap: dict[int, tuple[int, int]] = {}
 
     def evict_blocks(self, info: ClassInfo, m: int, stranded_only: bool = False) -> int:
         """CLASS[c] held: evict up to m blocks of the class chosen by its block CLOCK; returns blocks freed.
-        stranded_only: only values a doom has stranded, searched for in the class's next window of slabs
-        (relations.py, `_stranded_window`).
-
+        stranded_only: only values a doom has stranded, in the class's next window of slabs (the hand stays).
         The victims are unpublished in one round of their shard locks (CLASS -> SHARD is the lock order),
-        then freed: word bumped first, so a reader that found the entry before it went fails its second
-        word check.
+        then freed, word first: a reader that found the entry before it went fails its second word check.
         """
         if stranded_only:
             since, cursor = self._searched_at.get(info.cid), self.relations.cursor()
-            if not self.relations.doomed_any() or since == cursor or not self.searchable(info):
+            if not self.relations.doomed_any() or since == cursor or not self.relations.in_class(info.cid):
                 return 0  # no doom was ever pushed, none since our last lap of this class, or no record in it
         heads = np.asarray(self.slabs.class_slabs(info.cid), dtype=np.int64)
         if m <= 0 or not len(heads):
@@ -74,21 +63,21 @@ class BlockClock:
         gone = self.host.unpublish_many(rows[:, META_COL_DIGEST:META_COL_DIGEST + 2], voffs.astype(np.uint64), vwords)
         # Free what we unpublished, and orphans (LIVE, unowned, not indexed); a block whose word moved on,
         # or that another process claimed by unpublishing it first, is not ours to free.
-        if len(voffs) > SMALL_BATCH:
-            freed, evicted, evicted_bytes = self._free_victims_many(info, vheads, vindex, voffs, vwords, lens, gone)
-        else:
-            freed, evicted, evicted_bytes = self._free_victims(info, vheads, vindex, voffs, vwords, lens, gone)
-        self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, orphans_freed=freed - evicted)
-        return freed
+        g = voffs >> self.metas.shift
+        now = self.metas.meta_q[g]
+        ours = np.flatnonzero((now[:, META_COL_WORD] == vwords) & (gone | (BlockMetas.columns(now)[0] == 0)))
+        self._free_victims(info, vheads[ours], vindex[ours], voffs[ours], g[ours], len(voffs) > SMALL_BATCH)
+        evicted = gone[ours]
+        self.host.count(evictions=int(evicted.sum()), evicted_bytes=int(lens[ours][evicted].sum()),
+                        orphans_freed=int((~evicted).sum()))
+        return len(ours)
 
     def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int):
-        """Move the hand over at most two passes of the class's blocks until m victims are found:
-        (ring positions of the victims, their meta rows, (records, stranded through the parent) of the
-        related victims or None). The second pass takes the blocks whose `ref` the first cleared.
-
-        The ring is read in chunks from the hand (a large class is not read whole to find a few
-        victims); a chunk never spans the end of the first pass, so the second pass re-reads the ref bits
-        the first one cleared. Positions t in [0, 2n): ring index (p + t) mod n.
+        """Move the hand over at most two passes of the class's blocks until m victims are found: (their ring
+        positions, their meta rows, (records, stranded through the parent) of the related ones or None).
+        The ring is read in chunks from the hand (a few victims never read a large class whole); no chunk
+        spans the end of the first pass, so the second re-reads the ref bits the first cleared.
+        Positions t in [0, 2n): ring index (p + t) mod n.
         """
         mm, geo, bps = self.slabs.mm, self.slabs.geo, info.bps
         n = len(heads) * bps
@@ -99,9 +88,7 @@ class BlockClock:
         p %= n
         chunk = max(4 * m, 512)
         since = self._searched_at.get(info.cid)  # dooms before it stranded nothing left in the class
-        picked: list[np.ndarray] = []
-        rows: list[np.ndarray] = []
-        related: list[tuple] = []
+        picked, rows, related = [], [], []  # per chunk: ring positions, meta rows, (records, by parent)
         got = t = 0
         while t < 2 * n and got < m:
             t1 = min(t + chunk, n if t < n else 2 * n)
@@ -109,11 +96,12 @@ class BlockClock:
             g, q, eligible, ref = self._read(info, heads, ring)
             if t >= n and picked:
                 eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
-            victims, chosen = self._choose(g, q, eligible, ref, m - got, related, since)
+            victims = self._choose(g, q, eligible, ref, m - got, related, since)
             got += len(victims)
             end = int(victims.max()) + 1 if got == m else len(ring)
-            passed = (eligible & ref & ~chosen)[:end]  # second chances: cleared as the hand passes
-            self.metas.meta_refs[g[:end][passed]] = 0
+            passed = eligible & ref  # second chances: cleared as the hand passes
+            passed[victims] = False
+            self.metas.meta_refs[g[:end][passed[:end]]] = 0
             if len(victims):
                 picked.append(ring[victims])
                 rows.append(q[victims])
@@ -139,17 +127,11 @@ class BlockClock:
         owner, ref, pinned = BlockMetas.columns(q)
         return g, q, ((q[:, META_COL_WORD] & np.uint64(3)) == LIVE) & (owner == 0) & ~pinned, ref
 
-    def searchable(self, info: ClassInfo) -> bool:
-        """Is the class worth searching for stranded values: one that values with records were written into
-        (MaruStorage's namespace record has none)?"""
-        return self.relations.in_class(info.cid)
-
     def _stranded_window(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, cursor: int):
-        """Up to m stranded values in the class's next window of slabs (the hand stays): the pages of a request
-        whose partner another class evicted are rarely near this class's hand. Only by dooms pushed from
-        cursor `since` on, if given. A window that yields fewer than m is done, and the next search goes on
-        after it; the last window of a lap records the cursor its lap began at as `since`.
-        (ring positions, meta rows, (records, stranded through the parent)) as _sweep."""
+        """Up to m stranded values (by dooms from cursor `since` on, if given) in the class's next window of
+        slabs, as _sweep returns them: a request's pages whose partner another class evicted are rarely near
+        this class's hand. A window that yields fewer than m is done; the last one of a lap records the cursor
+        its lap began at as `since`."""
         cid, per = info.cid, max(1, STRANDED_SCAN // info.bps)
         last, began = self._lap.get(cid, (-1, cursor))
         j = int(np.searchsorted(heads, last, side="right"))
@@ -167,81 +149,51 @@ class BlockClock:
 
     def _stranded_in(self, info: ClassInfo, heads: np.ndarray, m: int, since: int | None, ring: np.ndarray):
         """Up to m stranded values among these ring positions (_stranded_window's result)."""
-        none = np.zeros(0, dtype=np.int64), None, None
         # Records first (their first 8 bytes: group and parent): only a block whose group or parent a doom
         # names is read further.
         g = self._granules(info, heads, ring)
         ring = ring[self.relations.named(g, since)]
         if not len(ring):
-            return none
+            return np.zeros(0, dtype=np.int64), None, None
         g, q, eligible, _ = self._read(info, heads, ring)
         recs, valid = self.relations.of(g, q[:, META_COL_WORD])
         valid &= eligible
-        if not valid.any():
-            return none
         by_group, by_parent = self.relations.stranded(recs, valid, since)
         victims = np.flatnonzero(valid & (by_group | by_parent))[:m]
-        if not len(victims):
-            return none
         return ring[victims], q[victims], (recs[victims], by_parent[victims])
 
     def _choose(self, g, q, eligible, ref, want: int, related: list, since: int | None):
-        """Up to `want` victims among one chunk of the ring: (their chunk positions, chosen mask).
-
-        Without relation records: the first unreferenced blocks in ring order (the plain CLOCK). With them:
-        stranded values first (whatever their ref), then unreferenced ones in `_victim_order`; the records
-        of the related victims go to `related` for the doom.
+        """Up to `want` victims among one chunk of the ring (chunk positions). Without relation records the
+        first unreferenced blocks in ring order (the plain CLOCK); with them, stranded values first (whatever
+        their ref), then unreferenced ones in `_victim_order`; the related victims' records go to `related`.
         """
         rel = self.relations
-        rows = valid = None
         if rel.enabled:
             rows, valid = rel.of(g, q[:, META_COL_WORD])
             valid &= eligible
-        if rows is None or not valid.any():
+        if not rel.enabled or not valid.any():
             victims = np.flatnonzero(eligible & ~ref)[:want]
-            chosen = np.zeros(len(g), dtype=bool)
-            chosen[victims] = True
-            return victims, chosen
-        by_group, by_parent = rel.stranded(rows, valid, since)
-        stranded = eligible & (by_group | by_parent)
-        plain = _victim_order(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
-        victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
-        chosen = np.zeros(len(g), dtype=bool)
-        chosen[victims] = True
-        mine = victims[valid[victims]]
-        if len(mine):
-            related.append((rows[mine], by_parent[mine]))
-        return victims, chosen
+        else:
+            by_group, by_parent = rel.stranded(rows, valid, since)
+            stranded = eligible & (by_group | by_parent)
+            plain = _victim_order(np.flatnonzero(eligible & ~ref & ~stranded), rows, valid)
+            victims = np.concatenate([np.flatnonzero(stranded), plain])[:want]
+            mine = victims[valid[victims]]
+            if len(mine):
+                related.append((rows[mine], by_parent[mine]))
+        return victims
 
-    def _free_victims_many(self, info, vheads, vindex, voffs, vwords, lens, gone):
-        g = voffs >> self.metas.shift
-        now = self.metas.meta_q[g]
-        owner = BlockMetas.columns(now)[0]
-        ours = (now[:, META_COL_WORD] == vwords) & (gone | (owner == 0))
-        sel = np.flatnonzero(ours)
-        if not sel.size:
-            return 0, 0, 0
-        self.release.free_many(info, vheads[sel], vindex[sel], g[sel])
-        return int(sel.size), int(gone[sel].sum()), int(lens[sel][gone[sel]].sum())
-
-    def _free_victims(self, info, vheads, vindex, voffs, vwords, lens, gone):
-        freed = evicted = evicted_bytes = 0
-        metas = self.metas
-        for off, h, i, w, nbytes, unpublished in zip(voffs.tolist(), vheads.tolist(), vindex.tolist(),
-                                                     vwords.tolist(), lens.tolist(), gone.tolist()):
-            m = metas.meta_off(off)
-            if metas.word(m) != w:
-                continue
-            if not unpublished and metas.owner(m):
-                continue  # claimed by a process that unpublished it first: it frees it
+    def _free_victims(self, info: ClassInfo, heads, index, offs, g, batch: bool) -> None:
+        """Free victims still ours: a batch at once (release.free_many), a few block by block in victim order
+        (no numpy call per slab)."""
+        if batch:
+            if len(g):
+                self.release.free_many(info, heads, index, g)
+            return
+        for h, i, off in zip(heads.tolist(), index.tolist(), offs.tolist()):
             self.release.free_block(h, info, i, off)
-            freed += 1
-            if unpublished:
-                evicted += 1
-                evicted_bytes += nbytes
             if _cp.ARMED is not None:
                 _cp.hit("evict.block_mid")
-        return freed, evicted, evicted_bytes
 
 
 def _victim_order(plain: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:

@@ -1,16 +1,10 @@
 """Policy: which class deserves the pool's units (memcached's slab_automove.c, here decided per allocation).
 
 Every allocation adds its bytes to its class's decayed demand (FORMAT.md section 4); a class that must
-make room asks `donors` which classes may give it a slab (slab CLOCK, slabmover.py), and evicts its own
-blocks (block CLOCK, blockclock.py) when none may. This module decides and never moves anything.
-
-The rule balances *retention*: a class's slab bytes over its decayed demand, how long a value written
-there now stays, in units of the pool's write volume. Pages of one request land in several classes in
-fixed proportions, so a request survives only while its class with the shortest retention keeps it. A
-move whose values all fit in free blocks of their class elsewhere evicts nothing (relocation.py): it is
-made whenever it lengthens the shorter retention of the pair by RELOCATE_GAIN. A move that evicts takes
-a window of values of many requests, each then doomed, so it is made only for a real shift of demand
-(MOVE_MARGIN), never for noise.
+make room asks `donors` which classes may give it a slab (slabmover.py), and evicts its own blocks
+(blockclock.py) when none may. This module decides and never moves anything. The rule balances
+*retention*, a class's slab bytes over its decayed demand (DESIGN.md section 7): a request survives only
+while its class with the shortest retention keeps its pages.
 """
 
 from __future__ import annotations
@@ -26,16 +20,13 @@ from .classtable import ClassInfo
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes
 # (an epoch).
 DEMAND_EPOCH_DIV = 4
-# A class that must evict takes a slab from class d, evicting what does not fit elsewhere in d, only if d
-# after giving one of its slabs would still keep its values at least (1 + MOVE_MARGIN) times as long as the
-# taker after taking one (DESIGN.md section 7): the margin keeps demand noise from trading slabs back and
-# forth at the price of evictions.
+# An evicting move (values that do not fit elsewhere in the giver are evicted, each dooming its request)
+# needs the giver's retention after giving to exceed the taker's after taking by this margin: demand noise
+# must not trade slabs back and forth at the price of evictions.
 MOVE_MARGIN = 0.3
-# A slab whose live values all fit in free blocks of d elsewhere (moved, not evicted) is taken whenever the
-# shorter retention of the two after the move is at least (1 + RELOCATE_GAIN) times the taker's now. One
-# slab lengthens the taker's retention by 1 / its slabs, so this also bounds the takers to classes of at
-# most 1 / RELOCATE_GAIN slabs. A class longer-lived than the shortest holds its excess as free blocks
-# (its requests' pages elsewhere leave first, and dooms free its own): moving them costs only a copy.
+# A relocating move (every value moves, nothing is evicted) needs only to lengthen the shorter retention of
+# the pair by this much. One slab lengthens the taker's by 1 / its slabs, so this also bounds the takers to
+# classes of at most 1 / RELOCATE_GAIN slabs.
 RELOCATE_GAIN = 0.03
 
 
@@ -61,12 +52,9 @@ class DemandPolicy:
         self.cls_k = self.cls_nslabs = self.cls_demand = self.cls_epoch = None
 
     def add(self, cid: int, nbytes: int) -> None:
-        """CLASS[cid] held: add an allocation's bytes to the class's decayed demand.
-
-        The pool-wide epoch and its byte accumulator are hints written without a lock (a lost update
-        only shifts when the next halving happens). The class counter is decayed lazily: it holds its
-        value as of `epoch`, and is halved once per epoch passed since.
-        """
+        """CLASS[cid] held: add an allocation's bytes to the class's decayed demand, which holds its value as
+        of its `epoch` and is halved once per epoch passed since. The pool-wide epoch and its accumulator are
+        hints written without a lock: a lost update only shifts when the next halving happens."""
         mm = self.mm
         (epoch,) = U32.unpack_from(mm, DEMAND_EPOCH_OFF)
         (acc,) = U64.unpack_from(mm, DEMAND_ACC_OFF)
@@ -84,14 +72,11 @@ class DemandPolicy:
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
     def donors(self, info: ClassInfo) -> Donors:
-        """The rule (DESIGN.md section 7): the classes that may give a slab to class c = `info` now.
-
-        Every class with a slab, when c has none. Otherwise, with retention r = slab units / decayed demand
-        and k a class's slab units: class d with a slab may give one whose values all move if
-        min(r_d after giving, r_c after taking) >= (1 + RELOCATE_GAIN) x r_c now (the shorter of the two
-        retentions grows), and any slab if r_d after giving >= (1 + MOVE_MARGIN) x r_c after taking. A class
-        without demand keeps its values for ever and gives. Other classes' counters are read without their
-        locks: a stale value only shifts one decision.
+        """The classes that may give a slab to class c = `info` now (the rule: DESIGN.md section 7). With
+        retention r = slab units / decayed demand, d may give a slab whose values all move if
+        min(r_d after, r_c after) >= (1 + RELOCATE_GAIN) x r_c now, and any slab if
+        r_d after >= (1 + MOVE_MARGIN) x r_c after. Other classes' counters are read without their locks:
+        a stale value only shifts one decision.
         """
         cid = info.cid
         k = self.cls_k.astype(np.float64)
@@ -104,8 +89,7 @@ class DemandPolicy:
         age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
         dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
         if dem[cid] <= 0:
-            none = np.zeros(0, dtype=np.int64)
-            return Donors(none, none)
+            return Donors(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         now, taker = units[cid] / dem[cid], (units[cid] + k[cid]) / dem[cid]
         with np.errstate(divide="ignore", invalid="ignore"):
             giver = np.where(dem > 0, (units - k) / dem, np.inf)

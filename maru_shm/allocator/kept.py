@@ -1,19 +1,12 @@
 """Who in this process holds each block it owns: a kept list, or a call in flight (its ledger).
 
-Kept blocks serve the process's own next allocations of a class, so most puts take no class lock. A kept
-block is owned by this process and unindexed: an overwrite's old block or one of ours that lost its
-publication (LIVE), or a spare a single-key put reserved beside its own block (RESERVED, no digest,
-length 0). No reader can reach it through the index, no other process frees or evicts a block a live
-process owns, and its bitmap bit and the class counts already say "used". `close` and a reaper settle
-kept blocks like any block a process still owns. At most KEEP_MAX blocks and KEEP_BYTES bytes per class
-(at least one block), so an idle process holds back little of the pool; spares at most SPARE_BYTES.
-
-A public call that may own blocks (a put, a delete) has a ledger: every block it is about to make ours
-(reserve, reuse from a kept list, claim from the index, a slab move's copy) is noted there and in
-`holders` *before* its owner is written, so at every bytecode each block this process owns is held by a
-kept list or by an open ledger (the last one to take it). A call that an exception ends hands what its
-ledger still holds to the reaper's settling (Store._entry); one that returns has given every block away
-(published, freed or kept). DESIGN.md section 9, "An exception in a live process".
+Kept blocks (owned by this process and unindexed: an overwrite's old block, one of ours that lost its
+publication, a spare a single-key put reserved) serve the process's next allocations of a class, so most
+puts take no class lock: no reader reaches them, no other process frees them, and the bitmap and counts
+already say "used". At most KEEP_MAX blocks and KEEP_BYTES bytes per class (one at least): an idle process
+holds back little. A call that may own blocks notes each in its ledger *before* its owner is written, so
+at every bytecode each block this process owns is held by a kept list or an open ledger (DESIGN.md
+section 9).
 """
 
 from __future__ import annotations
@@ -89,19 +82,20 @@ class KeptBlocks:
         self._local.ledger = None
 
     def track(self, offsets, indexed: bool = False) -> None:
-        """Before these blocks become ours (their owner written): the calling thread's call holds them
-        (`indexed`: claimed from the index, which may still name them). Outside a call that keeps a ledger
-        nothing is noted."""
-        mine = getattr(self._local, "ledger", None)
-        if mine is None or not mine.open:
-            return
+        """Before these blocks become ours (their owner written): the calling thread's call, if it keeps a
+        ledger, holds them (`indexed`: claimed from the index, which may still name them)."""
         if indexed:
-            mine.indexed.update(offsets)
+            self.may_index(offsets)
         with self._guard:
+            self._hold(offsets)
+
+    def _hold(self, offsets) -> None:
+        """Guard held: the calling thread's open call holds these blocks (before they become ours or leave a list)."""
+        mine = getattr(self._local, "ledger", None)
+        if mine is not None and mine.open:
             mine.extend(offsets)
-            holders = self.holders
             for off in offsets:
-                holders[off] = mine
+                self.holders[off] = mine
 
     def may_index(self, offsets) -> None:
         """Shard locks held, before blocks of the calling thread's call are published: the index may name
@@ -125,9 +119,8 @@ class KeptBlocks:
         mine = getattr(self._local, "ledger", None)
         with self._guard:
             h = self.holders.get(off)
-            if h is not None and h is not mine and h.open:
-                return True
-            return any(o == off for lst in self.lists.values() for o, _ in lst)
+            return (h is not None and h is not mine and h.open) or any(
+                o == off for lst in self.lists.values() for o, _ in lst)
 
     def to_strays(self, offsets) -> None:
         """The calling thread's call could not settle these: they stay held, by `strays`, for close()."""
@@ -139,18 +132,12 @@ class KeptBlocks:
                     self.strays.append(off)
 
     def untracked(self, owned_now) -> list[int]:
-        """The blocks this process owns (`owned_now()`, offsets) that no kept list and no open ledger holds:
-        leaked. Read under the guard, so no block is taken or given back to a list meanwhile (every
-        block becomes ours only after `track`, which waits for it)."""
+        """The blocks this process owns (`owned_now()`, offsets) that no kept list and no open ledger holds: leaked.
+        Read under the guard, which `track` waits for before any block becomes ours."""
         with self._guard:
             owned = owned_now()
             kept = {o for lst in self.lists.values() for o, _ in lst}
-            holders = self.holders
-            return [off for off in owned
-                    if off not in kept and not (off in holders and holders[off].open)]
-
-    def has(self, cid: int) -> bool:
-        return bool(self.lists.get(cid))
+            return [off for off in owned if off not in kept and not (off in self.holders and self.holders[off].open)]
 
     def count(self, cid: int) -> int:
         return len(self.lists.get(cid, ()))
@@ -165,10 +152,7 @@ class KeptBlocks:
 
     def offer(self, info: ClassInfo, items: list, owner: int) -> list:
         """Keep what fits under the limit of the blocks still ours with that word; return the rest (to free).
-
-        A block published by this batch and then evicted by it is not ours any more: freed. A block that is
-        not a block start of the class is never kept (trust no offset).
-        """
+        A block this batch published and then evicted is not ours any more, nor is a non-block offset."""
         room = keep_limit(info) - len(self.lists.get(info.cid, ()))
         if room <= 0:
             return items
@@ -186,18 +170,9 @@ class KeptBlocks:
         """Empty every list: the (offset, word) pairs it held, for the caller to free (its call holds them)."""
         with self._guard:
             items = [item for lst in self.lists.values() for item in lst]
-            self._hold_taken(items)
+            self._hold([off for off, _ in items])
             self.lists.clear()
         return items
-
-    def _hold_taken(self, items) -> None:
-        """Guard held: blocks about to leave a list are the calling thread's call's (before they leave it)."""
-        mine = getattr(self._local, "ledger", None)
-        if mine is not None and mine.open:
-            offs = [off for off, _ in items]
-            mine.extend(offs)
-            for off in offs:
-                self.holders[off] = mine
 
     def give_back(self, cid: int, offsets: list[int]) -> None:
         """Spares (RESERVED blocks of ours, no value yet) join the list."""
@@ -206,21 +181,16 @@ class KeptBlocks:
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
 
     def reuse(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
-        """Re-reserve kept blocks for the first values of a batch; no lock.
-
-        The owner moves a kept block LIVE -> RESERVED itself, as it moves RESERVED -> LIVE at commit: the
-        word first (the next sequence: a reader still holding the old word fails validation from then
-        on), then digest, length, owner, ref. A block whose word or owner is not what was kept (the pool
-        was cleared) is dropped from the list and left alone. No demand is counted: the class does not
-        grow. FORMAT.md section 8, put step 6; DESIGN.md section 5.
-        """
+        """Re-reserve kept blocks for the first values of a batch, without a lock (FORMAT.md section 8, put step
+        6). A block whose word or owner is not what was kept (the pool was cleared) is dropped and left alone.
+        No demand is counted: the class does not grow."""
         m = len(lengths)
         with self._guard:
             lst = self.lists.get(info.cid)
             if not lst:
                 return []
             take = lst[-m:]
-            self._hold_taken(take)
+            self._hold([off for off, _ in take])
             del lst[-m:]
         out: list[int] = []
         for off, word in take:

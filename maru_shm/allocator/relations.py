@@ -1,23 +1,10 @@
 """Relation records and the doom ring: how values relate, so that eviction keeps what can still be a hit
-(FORMAT.md section 6a).
+(FORMAT.md section 6a, DESIGN.md section 8).
 
 A page of a prompt serves only while every page before it in its chain, and its partner pages in the other
-pools of a hybrid model, are present too. A writer that knows this gives the store a record per value:
-
-    group    the chain *segment* the value belongs to (one set call of a request: its pages in every pool),
-             a 32-bit hash; 0 means "no record"
-    parent   the segment holding the page just before the segment's first page (0: none, a root)
-    depth    the value's position within its segment; bit 15 (TRAILING) says that losing this value strands
-             the whole segment (a sliding-window or Mamba state page), not only the pages from its depth on
-    branch   the position, within the parent segment, of the page just before this segment's first page
-
-The record sits beside the block meta (one per granule, the granule where the block starts) and names the
-lifetime it was written for (`tag`, the low 16 bits of the block's LIVE word), so a record of an earlier
-lifetime is not applied. When eviction takes a related value it pushes a *doom* into the ring:
-(group, from), "pages of this segment at position >= from can no longer be a hit". A value is stranded when
-a doom pushed after its birth covers it, or covers its parent at or below its branch point; eviction takes
-stranded values first (blockclock.py). Records and dooms are hints: any value in them costs hits at worst,
-never bytes, and nothing checks or repairs them.
+pools of a hybrid model, are present too. Eviction that takes a related value pushes a *doom* for its
+segment; the values a doom strands are taken first (blockclock.py). Records and dooms are hints: any value
+in them costs hits at worst, never bytes, and nothing checks or repairs them.
 """
 
 from __future__ import annotations
@@ -77,9 +64,8 @@ class Relations:
 
     # ---------------------------------------------------------------- which classes may hold records
     def mark_classes(self, cids) -> None:
-        """Before a writer writes records into these classes: each entry's `related` says the class may hold
-        them (FORMAT.md section 4). No lock: a store of 1, skipped when set; only a repair clearing the entry
-        clears it."""
+        """Before a writer writes records into these classes: set each entry's `related` (FORMAT.md section 4).
+        No lock: a store of 1, skipped when set; only a repair clearing the entry clears it."""
         if not self.enabled:
             return
         for cid in cids:
@@ -96,12 +82,9 @@ class Relations:
 
     # ---------------------------------------------------------------- the writer
     def write(self, offsets, live_words, rel: np.ndarray) -> np.ndarray:
-        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime;
-        the granules written (none in a pool without records).
-
-        `live_words` are the words the commit will store: a record applies from the commit on, and a crash
-        before it leaves a record whose tag no LIVE word of that block carries.
-        """
+        """Before the commit, by the owner of these RESERVED blocks (no lock): the record of each lifetime; the
+        granules written. It is tagged with `live_words`, the words the commit will store: it applies from
+        the commit on, and a crash before it leaves a record whose tag no LIVE word of that block carries."""
         if not self.enabled or not len(offsets):
             return np.zeros(0, dtype=np.int64)
         g = np.asarray(offsets, dtype=np.int64) >> self.shift
@@ -123,11 +106,11 @@ class Relations:
         # the cursor's low 16 bits, so the dooms since are the cursor's distance from it, mod 2^16.
         c = self.cursor()
         since = (c - ((c - int(rows["born"][0])) & 0xFFFF)) & 0xFFFF_FFFF
-        words = self._entry_words(since)
-        if len(words) <= SCALAR_DOOMS:
-            stranded = _one_covered(rows[0], words.tolist())
+        ring = self._entries(since)
+        if len(ring) <= SCALAR_DOOMS:
+            stranded = _one_covered(rows[0], ring.view(np.uint64).tolist())
         else:
-            by_group, by_parent = self._stranded_by(rows, valid, words.view(DOOM_DTYPE))
+            by_group, by_parent = self._stranded_by(rows, valid, ring)
             stranded = bool(by_group[0] or by_parent[0])
         return None if stranded else (int(rows["group"][0]), int(rows["depth"][0]) & DEPTH_MAX)
 
@@ -140,9 +123,8 @@ class Relations:
         return rows, valid
 
     def named(self, g: np.ndarray, since: int | None = None) -> np.ndarray:
-        """Mask of granules g whose record's group or parent a doom names (pushed from cursor `since` on, if
-        given): the only ones `stranded` can find. Reads the records alone, not their blocks' metas, and
-        checks neither tag nor birth: a cheap first cut of a whole-class search."""
+        """Mask of granules g whose record's group or parent a doom (from cursor `since` on) names: a cheap first
+        cut of a whole-class search, reading neither the blocks' metas nor the records' tag and birth."""
         ring = self._entries(since)
         if not len(ring):
             return np.zeros(len(g), dtype=bool)
@@ -158,17 +140,13 @@ class Relations:
 
     def _entries(self, since: int | None) -> np.ndarray:
         """The ring's entries pushed from cursor `since` on (all of them without it, or once it is a whole
-        ring behind), as a copy: other processes push meanwhile."""
-        return self._entry_words(since).view(DOOM_DTYPE)
-
-    def _entry_words(self, since: int | None) -> np.ndarray:
-        """`_entries` as u64 words (group | from << 32 | seq << 48, DOOM_DTYPE little-endian)."""
+        ring behind), as a copy: other processes push meanwhile. Copied and filtered as words."""
         new = None if since is None else (self.cursor() - since) & 0xFFFF_FFFF
         if new is not None and new < DOOM_ENTRIES:
             words = self.ring_words[np.arange(since, since + new) % DOOM_ENTRIES]
         else:
             words = self.ring_words.copy()
-        return words[(words & np.uint64(0xFFFF_FFFF)) != 0]
+        return words[(words & np.uint64(0xFFFF_FFFF)) != 0].view(DOOM_DTYPE)
 
     def stranded(self, rows: np.ndarray, valid: np.ndarray, since: int | None = None):
         """(by group, by parent): masks of the values a doom pushed after their birth strands; with `since` (a
@@ -219,9 +197,8 @@ class Relations:
 
 
 def _one_covered(row, words: list) -> bool:
-    """`stranded` for one record against a few ring words, in Python (numpy's cost per call would dominate):
-    a doom of its group at or below its depth, or of its parent at or below its branch point, pushed at or
-    after its birth."""
+    """`stranded` for one record against a few ring words (group | from << 32 | seq << 48), in Python: numpy's
+    cost per call would dominate."""
     group, parent, born = int(row["group"]), int(row["parent"]), int(row["born"])
     depth, branch = int(row["depth"]) & DEPTH_MAX, int(row["branch"])
     for w in words:
@@ -235,8 +212,6 @@ def _one_covered(row, words: list) -> bool:
 def _covered(groups, depth, born, valid, ring) -> np.ndarray:
     """Per value: does a ring entry of its group, pushed at or after its birth, start at or below `depth`?"""
     out = np.zeros(len(groups), dtype=bool)
-    if not valid.any():
-        return out
     near = ring[np.isin(ring["group"], groups[valid])]  # entries naming a candidate (few candidates: a loop)
     if not len(near):
         return out

@@ -1,12 +1,10 @@
 """Mechanism: move the live values of slabs leaving their class into free blocks of the same class
 (memcached's slab rescue), so that a slab move evicts only what does not fit (FORMAT.md section 8, DESIGN.md section 7).
 
-A slab move evicts a window of slabs whose values belong to many requests; each evicted page dooms its
-request (relations.py). Where the giving class has free blocks in its other slabs, each live value of
-the window is copied into one, as a put of the same key would be: the target is RESERVED by this
-process, filled, committed LIVE, and then its index entry is switched from the old block to the new
-one, only if it still names the old block (`host.repoint_many`, under the shard locks). The old blocks
-are then unindexed and go with their slabs. Holding the CLASS locks of every class involved and POOL.
+An evicted value dooms its request (relations.py), and a window's values belong to many requests. So each
+live value of the window is copied into a free block of its class elsewhere as a put would write it, and
+its index entry is switched to the copy only if it still names the old block (`host.repoint_many`, under
+the shard locks). Holding the CLASS locks of every class involved and POOL.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from .slabtable import SlabTable, get32
 class Relocator:
     def __init__(self, host, slabs: SlabTable, metas: BlockMetas, release: BlockRelease, relations: Relations):
         self.host, self.slabs, self.metas, self.release, self.relations = host, slabs, metas, release, relations
-        self.kept = release.kept  # our call's ledger holds the copies until they are switched or freed
 
     def _partial_slabs(self, info: ClassInfo, leaving: set[int]) -> list[int]:
         """The class's partial slabs outside `leaving`, in list order; the walk stops at a damaged link."""
@@ -44,11 +41,10 @@ class Relocator:
         return sum(self.slabs.nfree(h) for h in self._partial_slabs(info, leaving))
 
     def relocate(self, info: ClassInfo, live: list, lengths: list, leaving: set[int]) -> np.ndarray:
-        """Move live values (digest, offset, word) of the class, lengths `lengths`, out of the slabs `leaving`;
-        the mask of those whose index entry now names the copy (the old block is then unindexed: the
-        caller frees it with its slab). A value that no longer names its block when the entry is switched
-        (a writer replaced or deleted it) keeps the writer's state, and its copy is freed here. A length
-        past the block is damage: that value is not copied."""
+        """Move live values (digest, offset, word) of the class out of the slabs `leaving`; the mask of those
+        whose index entry now names the copy (the caller frees the old block with its slab). An entry a
+        writer replaced or deleted meanwhile stays the writer's, and the copy is freed here. A length past
+        the block is damage: that value is not copied."""
         moved = np.zeros(len(live), dtype=bool)
         which = [j for j, n in enumerate(lengths) if 0 <= n <= info.block]
         targets: list[int] = []
@@ -67,10 +63,8 @@ class Relocator:
         switched = self.host.repoint_many(halves, np.array([o for _, o, _ in values], dtype=np.uint64),
                                           np.array([w for _, _, w in values], dtype=np.uint64),
                                           np.array(targets, dtype=np.uint64), np.array(words, dtype=np.uint64))
-        for new, ok in zip(targets, switched.tolist()):
-            if not ok:
-                h, cinfo, i = self.slabs.block_index(new)
-                self.release.free_block(h, cinfo, i, new)
+        lost = [(new, w) for new, w, ok in zip(targets, words, switched.tolist()) if not ok]  # a writer's entry won
+        self.release.free_listed(info.cid, lost)
         moved[which] = switched
         return moved
 
@@ -79,7 +73,7 @@ class Relocator:
         `ref`, then the word LIVE (still ours). The copies' words."""
         owner, metas, geo = self.host.owner, self.metas, self.slabs.geo
         words = []
-        self.kept.track(targets)
+        self.release.kept.track(targets)  # our call's ledger holds the copies until they are switched or freed
         data = np.frombuffer(self.slabs.mm, dtype=np.uint8, count=geo.data_bytes, offset=geo.off_data)
         try:
             for (d, old, _), length, new in zip(values, lengths, targets):

@@ -39,7 +39,7 @@ class Reserver:
         block must carry its owner by then, or the eviction that makes room for the rest could free the
         slab under it.
         """
-        out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.has(info.cid) else []
+        out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.count(info.cid) else []
         if len(out) == len(lengths):
             return out
         return self._allocate_locked(info, digests, lengths, owner, out)

@@ -1,11 +1,9 @@
 """Mechanism: move a slab's worth of units from whatever holds them to a class (memcached's slabs_mover.c).
 
-The slab CLOCK hand (superblock `slab_hand`) walks HEAD units; a slab whose ref bits are set gets a
-second chance (cleared as the hand passes). A window of k units is taken only if every slab overlapping
-it can be locked without waiting, belongs to a class the policy lets give (demand.py `donors`), holds no
-block of a live process and no pinned block: its LIVE blocks are unpublished in one round of shard locks,
-then the slabs' units go back to the pool. Whether to move at all, and from which classes, is demand.py's
-decision.
+The slab CLOCK hand (superblock `slab_hand`) walks HEAD units, giving a referenced slab a second chance.
+A window of k units is taken only if every slab overlapping it can be locked without waiting, is of a
+donor class (demand.py decides whether to move, and from which classes) and holds no block of a live
+process and no pinned block (DESIGN.md section 7).
 """
 
 from __future__ import annotations
@@ -33,10 +31,9 @@ class SlabMover:
         self.relocator = Relocator(host, slabs, metas, release, relations)
 
     def move_slab(self, info: ClassInfo, donors=None, may_evict: bool = True) -> bool:
-        """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids;
-        None: any class's) and format a slab of the class there. Live values move to free blocks of their
-        class outside the window (relocation.py); those that do not fit are evicted, or, without
-        `may_evict`, the window is passed over."""
+        """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids; None: any
+        class's) and format a slab of the class there. Values that fit nowhere else in their class are
+        evicted, or, without `may_evict`, the window is passed over."""
         u = self.evict_for(info, donors, may_evict)
         if u is None:
             return False
@@ -46,10 +43,9 @@ class SlabMover:
         return True
 
     def evict_for(self, info: ClassInfo, donors=None, may_evict: bool = True) -> int | None:
-        """Slab CLOCK: free a window of info.k units by emptying the slabs in it, all of them of the `donors`
-        classes if given. CLASS+POOL held. A move that may not evict considers only donors with a slab's
-        worth of free blocks (a window can fit nowhere else), in one sweep without second chances (it
-        takes nothing that was used)."""
+        """CLASS+POOL held: free a window of info.k units by emptying its slabs (all of the `donors` classes,
+        if given). A move that may not evict sweeps once, without second chances (it destroys nothing), over
+        donors with a slab's worth of free blocks (a window fits nowhere else)."""
         mm, slabs = self.slabs.mm, self.slabs
         n, k = self.slabs.geo.n_units, info.k
         if not may_evict:
@@ -78,10 +74,8 @@ class SlabMover:
 
     def _spare_slab(self, cid: int) -> bool:
         """Has the class a slab's worth of free blocks (its counts, a hint)?"""
-        info = self.class_table.info(cid)
-        co = self.slabs.geo.class_entry(cid)
-        return info is not None and get32(self.slabs.mm, co + CLS_NSLABS) * info.bps - get32(
-            self.slabs.mm, co + CLS_USED) >= info.bps
+        info, co, mm = self.class_table.info(cid), self.slabs.geo.class_entry(cid), self.slabs.mm
+        return info is not None and get32(mm, co + CLS_NSLABS) * info.bps - get32(mm, co + CLS_USED) >= info.bps
 
     def evict_window(self, w0: int, k: int, my_cid: int, donors=None, may_evict: bool = True) -> bool:
         """CLASS[my_cid] and POOL held: empty every slab overlapping units [w0, w0 + k) if all can go (and all
@@ -136,21 +130,14 @@ class SlabMover:
         return True
 
     def evict_slabs(self, slabs: list[tuple[int, ClassInfo]], may_evict: bool = True) -> None:
-        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units.
-
-        Live values first move to free blocks of their class outside these slabs (relocation.py); with
-        `may_evict` the rest are unpublished, in one round of their shard locks (host.unpublish_many), not
-        one lock round per block. A slab one of whose blocks a live process claimed meanwhile is not
-        freed (the window then stays short of free units: the caller looks for a free run anyway), nor is
-        one holding a value that neither moved nor was unpublished. A claim shows as an owner, or, once
-        the claimant has kept the block, reused it without a class lock, published it again and cleared
-        its owner, only as a word that moved on since the words were read before the round: either keeps
-        the slab.
-        """
+        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units. Live values move to
+        free blocks of their class elsewhere (relocation.py); with `may_evict` the rest are unpublished in one
+        round of their shard locks. A slab keeps its units if a live process claimed one of its blocks
+        meanwhile (an owner, or, once the claimant kept, reused and published the block again, a word that
+        moved on since `before`), or if it holds a value that neither moved nor was unpublished."""
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        rows, valid = self._records(live)
-        dead, orphaned = self._stranded(rows, valid)
+        rows, valid, dead, orphaned = self._records(live)
         relocated = self._relocate(slabs, live, lengths, where, dead)
         gone = np.zeros(len(live), dtype=bool)
         rest = np.flatnonzero(~relocated & (dead | may_evict))
@@ -167,12 +154,12 @@ class SlabMover:
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
             mine = where == s
-            settled = may_evict or bool((relocated | gone)[mine].all())  # without may_evict: all moved or dead
+            settled = may_evict or bool(unindexed[mine].all())  # without may_evict: all moved or dead
             if settled and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
-            else:
-                self._free_unindexed(h, info, [live[j] for j in np.flatnonzero(mine & unindexed)])
+            else:  # no entry names these any more, and under the class lock no claim on them can follow
+                self.release.free_listed(info.cid, [live[j][1:] for j in np.flatnonzero(mine & unindexed)])
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                         orphans_freed=len(rest) - evicted)
 
@@ -186,24 +173,18 @@ class SlabMover:
         return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
 
     def _records(self, live: list):
-        """The live values' relation records and the mask of those that apply (relations.py), read once: for
-        what a move may carry and for the dooms of what it evicts. (None, all False) without records."""
+        """The live values' relation records, read once, and masks of those that apply, of those a doom has
+        stranded and of those stranded through their parent. A move never carries a stranded value: it could
+        land in a window this process's stranded search has passed in its lap (DESIGN.md section 8)."""
+        none = np.zeros(len(live), dtype=bool)
         if not live or not self.relations.enabled:
-            return None, np.zeros(len(live), dtype=bool)
+            return None, none, none, none
         g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
-        return self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
-
-    def _stranded(self, rows, valid: np.ndarray):
-        """Masks of the values a doom has stranded, and of those stranded through their parent: a move frees
-        them and never carries them, and one stranded through its parent dooms its whole segment, as the
-        block CLOCK's victims do. Carried, one could land in a window that this process's search for
-        stranded values has passed in its current lap (blockclock.py), and wait there for the hand (DESIGN.md
-        section 8)."""
-        none = np.zeros(len(valid), dtype=bool)
-        if rows is None or not self.relations.doomed_any():
-            return none, none
+        rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
+        if not self.relations.doomed_any():
+            return rows, valid, none, none
         by_group, by_parent = self.relations.stranded(rows, valid)
-        return valid & (by_group | by_parent), valid & by_parent
+        return rows, valid, valid & (by_group | by_parent), valid & by_parent
 
     def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray, dead: np.ndarray) -> np.ndarray:
         """Move what fits of the live values (per class) out of the slabs, but for the `dead` ones; the mask of
@@ -219,9 +200,8 @@ class SlabMover:
         return moved
 
     def _live_blocks(self, slabs):
-        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A
-        length its check refutes is damage: -1, so that the value is never copied (the copy would carry
-        the length with a new check), only evicted with its slab."""
+        """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A length
+        its check refutes is -1: never copied (the copy would carry it with a new check), only evicted."""
         live, lengths, where = [], [], []
         unit = self.slabs.geo.unit_size
         for s, (h, info) in enumerate(slabs):
@@ -237,17 +217,6 @@ class SlabMover:
     def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
         """The granules where the blocks of slab h start (their block metas)."""
         return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
-
-    def _free_unindexed(self, h: int, info: ClassInfo, blocks) -> None:
-        """Slab h stays: while we unpublished, a live process claimed a block of it first (it replaced or
-        deleted the block's entry under the shard lock; the block is its own now, and it may keep it for
-        reuse without a class lock, kept.py), or a value of it did not move and was not to be evicted.
-        The blocks whose entries we removed or switched to a copy are freed one by one: no entry names
-        them, and we hold the class lock, so no claim on them can follow."""
-        unit = self.slabs.geo.unit_size
-        for _, off, word in blocks:
-            if self.metas.word(self.metas.meta_off(off)) == word:
-                self.release.free_block(h, info, (off - h * unit) // info.block, off)
 
     def _return_units(self, h: int, info: ClassInfo) -> None:
         """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap

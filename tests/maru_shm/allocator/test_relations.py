@@ -125,7 +125,7 @@ def test_one_reclaim_frees_a_doomed_segment_and_all_its_descendants(open_store):
     assert s.batch_exists(turns[0]) == [True] * 4 + [False] * 2
     assert not any(any(s.batch_exists(t)) for t in turns[1:])
     assert s.batch_exists(early) == [True] * 3 and s.batch_exists(other) == [True] * 4
-    assert alloc.clock.searchable(info)
+    assert alloc.relations.in_class(info.cid)
     assert_clean(s)
 
 
@@ -152,10 +152,10 @@ def test_only_a_class_written_with_records_is_searched_whole(open_store):
     search = alloc.clock._stranded_in
     alloc.clock._stranded_in = lambda *a: searched.append(a[0].cid) or search(*a)
     s.doom_segment(5)
-    assert related() == 0 and not alloc.clock.searchable(info)
+    assert related() == 0 and not alloc.relations.in_class(info.cid)
     assert alloc.reclaim_stranded() == 0 and info.cid not in searched
     keys = _put_chain(s, "c", 6, 64 * KiB, True, group=5)  # same class, with records: marked
-    assert related() == 1 and alloc.clock.searchable(info)
+    assert related() == 1 and alloc.relations.in_class(info.cid)
     s.doom_segment(5)
     assert alloc.reclaim_stranded() == 6 and info.cid in searched
     assert s.batch_exists(keys) == [False] * 6 and s.batch_exists(plain) == [True] * 4
