@@ -201,6 +201,9 @@ META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT, META_TAIL_FLAGS_SHIFT = (
     (off - META_LENGTH_OFF) * 8 for off in (META_OWNER_OFF, META_REF_OFF, META_FLAGS_OFF))
 META_TAIL_LENGTH_MASK = (1 << 8 * field_size(META_LAYOUT, "length")) - 1
 FLAG_PINNED = 1  # meta flags bit 0: eviction and slab moves leave this lifetime alone (Store.pin)
+# Meta `ref`: the block CLOCK's count. A hit or a touch raises it by one up to REF_MAX, the hand lowers it by
+# one as it passes: a value hit again before the hand comes back outlives one hit once.
+REF_MAX = 2
 FREE, RESERVED, LIVE = 0, 1, 2
 
 # Meta flags bits 1-7 hold the length check, 3 x length mod 125: any one or two flipped bits of the

@@ -453,7 +453,7 @@ class Store:
 
     @_entry
     def touch(self, digests) -> int:
-        """Mark these digests' values used (the CLOCKs' ref bits) as a hit does, without copying; how many exist."""
+        """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist."""
         return self.reader.touch(digest_array(digests))
 
     @_entry

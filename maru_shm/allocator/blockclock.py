@@ -1,9 +1,10 @@
 """Mechanism: evict blocks within a class, chosen by the class's block CLOCK (DESIGN.md sections 7 and 8).
 
 The hand (class entry `hand`) walks the class's blocks in address order. A LIVE, unowned, unpinned block
-whose `ref` is clear is a victim; a set `ref` is cleared as the hand passes. Where the blocks carry
-relation records (relations.py), stranded values go first, then the others segment by segment, deepest
-first: a request's pages in the class go together, and a chain loses its tail before its head.
+whose `ref` count is 0 is a victim; a count above 0 is lowered by one as the hand passes (a hit raises it,
+up to REF_MAX). Where the blocks carry relation records (relations.py), stranded values go first, then the
+others segment by segment, deepest first: a request's pages in the class go together, and a chain loses its
+tail before its head.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK, U64
+from ..format import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK, REF_MAX,
+                      U64)
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
 from .relations import DEPTH_MAX, Relations
@@ -73,11 +75,12 @@ class BlockClock:
         return len(ours)
 
     def _sweep(self, info: ClassInfo, heads: np.ndarray, m: int):
-        """Move the hand over at most two passes of the class's blocks until m victims are found: (their ring
-        positions, their meta rows, (records, stranded through the parent) of the related ones or None).
-        The ring is read in chunks from the hand (a few victims never read a large class whole); no chunk
-        spans the end of the first pass, so the second re-reads the ref bits the first cleared.
-        Positions t in [0, 2n): ring index (p + t) mod n.
+        """Move the hand over at most REF_MAX + 1 passes of the class's blocks until m victims are found:
+        (their ring positions, their meta rows, (records, stranded through the parent) of the related ones or
+        None). Each pass lowers the `ref` count of the candidates it passes by one, so the last takes every
+        candidate still there. The ring is read in chunks from the hand (a few victims never read a large
+        class whole); no chunk spans the end of a pass, so each pass re-reads the counts the one before
+        lowered. Positions t in [0, (REF_MAX + 1) n): ring index (p + t) mod n.
         """
         mm, geo, bps = self.slabs.mm, self.slabs.geo, info.bps
         n = len(heads) * bps
@@ -90,18 +93,21 @@ class BlockClock:
         since = self._searched_at.get(info.cid)  # dooms before it stranded nothing left in the class
         picked, rows, related = [], [], []  # per chunk: ring positions, meta rows, (records, by parent)
         got = t = 0
-        while t < 2 * n and got < m:
-            t1 = min(t + chunk, n if t < n else 2 * n)
+        refs = self.metas.meta_refs
+        while t < (REF_MAX + 1) * n and got < m:
+            t1 = min(t + chunk, (t // n + 1) * n)
             ring = (p + np.arange(t, t1, dtype=np.int64)) % n
             g, q, eligible, ref = self._read(info, heads, ring)
             if t >= n and picked:
-                eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in the first pass already
+                eligible &= ~np.isin(ring, np.concatenate(picked))  # taken in an earlier pass already
             victims = self._choose(g, q, eligible, ref, m - got, related, since)
             got += len(victims)
             end = int(victims.max()) + 1 if got == m else len(ring)
-            passed = eligible & ref  # second chances: cleared as the hand passes
+            passed = eligible & ref  # second chances: lowered as the hand passes
             passed[victims] = False
-            self.metas.meta_refs[g[:end][passed[:end]]] = 0
+            passed = g[:end][passed[:end]]
+            r = refs[passed]
+            refs[passed] = np.minimum(r, REF_MAX) - (r > 0)  # a damaged count above REF_MAX costs no extra pass
             if len(victims):
                 picked.append(ring[victims])
                 rows.append(q[victims])

@@ -1,7 +1,7 @@
 """Block metas: one 32-byte record per granule, the other source of truth (FORMAT.md section 6).
 
 The meta of a block's first granule holds its word (lifetime counter << 2 | state), the key's digest,
-the value's length, the owner (slot + 1 of the process that holds it, 0 for none), the ref bit for the
+the value's length, the owner (slot + 1 of the process that holds it, 0 for none), the ref count for the
 block CLOCK and the flags byte (pinned, and the length's check: every reservation writes the check with
 the length, in the same store). A lifetime begins FREE -> RESERVED with the next word, and every change
 of state writes the word first, so a lock-free reader holding the old word fails its check from then on.
@@ -14,7 +14,7 @@ import numpy as np
 from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
                       META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
                       META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
-                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+                      REF_MAX, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
 from ..records import record_struct
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
@@ -65,21 +65,22 @@ class BlockMetas:
         """Is the block at this data offset pinned (Store.pin)? Out of range: no."""
         return 0 <= offset < self.geo.data_bytes and bool(self.mm[self.meta_off(offset) + META_FLAGS_OFF] & FLAG_PINNED)
 
-    def is_referenced(self, offset: int, clear: bool = False) -> bool:
-        """Block ref bit (for index-pressure CLOCK); optionally clear it. A pinned block always is."""
+    def is_referenced(self, offset: int, age: bool = False) -> bool:
+        """Is the block's ref count above 0 (for the index-pressure CLOCK); `age`: lower it by one, as the
+        block CLOCK's hand does. A pinned block always is."""
         if not 0 <= offset < self.geo.data_bytes:
             return False
         m = self.meta_off(offset)
         if self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
             return True
         ref = self.mm[m + META_REF_OFF]
-        if ref and clear:
-            self.mm[m + META_REF_OFF] = 0
+        if ref and age:
+            self.mm[m + META_REF_OFF] = min(ref, REF_MAX) - 1
         return bool(ref)
 
     @staticmethod
     def columns(q: np.ndarray):
-        """(owner, ref set, pinned) of meta rows q (numpy)."""
+        """(owner, ref count above 0, pinned) of meta rows q (numpy)."""
         w3 = q[:, _TAIL]
         owner = (w3 >> np.uint64(_OWNER_SHIFT)) & np.uint64(0xFFFF)
         ref = ((w3 >> np.uint64(_REF_SHIFT)) & np.uint64(0xFF)) != 0

@@ -62,7 +62,7 @@ class Allocator:
         self.block_index = self.slabs.block_index            # (offset) -> (head, ClassInfo, block) | None
         self.meta_off = geo.meta_of                          # (offset) -> file offset of its block meta
         self.is_pinned = self.metas.is_pinned                # (offset) -> bool
-        self.is_referenced = self.metas.is_referenced        # (offset, clear=False) -> bool
+        self.is_referenced = self.metas.is_referenced        # (offset, age=False) -> bool
         self.allocate = self.reserver.allocate               # (info, digests, lengths, owner) -> offsets
         self.free_blocks = self.release.free_blocks          # (blocks, keep=0) -> blocks freed
 

@@ -406,7 +406,7 @@ class Index:
                 continue
             if fallback is None and not (is_pinned is not None and is_pinned(offset)):
                 fallback = (ed, word, offset)
-            if is_referenced(offset, clear=True):
+            if is_referenced(offset, age=True):
                 continue
             SHARD_STRUCT.pack_into(self.mm, hdr, count, hand)
             return ed, word, offset

@@ -238,6 +238,35 @@ def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
     assert_clean(s)
 
 
+def test_block_clock_keeps_a_value_hit_twice_over_one_hit_once(open_store):
+    """The ref count: hits raise it up to REF_MAX, the hand lowers it by one as it passes. With the hand at the
+    first block, the second block hit twice and the third hit once, a sweep for every block but one takes
+    the unreferenced blocks in the first pass and the block hit once in the second: the block hit twice,
+    earlier in the ring, survives with a count of 1 (a one-bit CLOCK would take it first in the second pass).
+    """
+    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, REF_MAX, U64
+    s = open_store("16M")
+    size = 100 * KiB
+    info, n = _fill_one_class(s, size)
+    a = s.alloc
+    ring = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    g = np.array([o // s.geo.granule for o in ring])
+    key_at = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
+    twice, once = key_at[ring[1]], key_at[ring[2]]
+    U64.pack_into(s.mm, a.geo.class_entry(info.cid) + CLS_HAND, 0)
+    a.meta_refs[g] = 0
+    for _ in range(REF_MAX + 1):
+        assert check_value(twice, s.get(twice))
+    assert check_value(once, s.get(once))
+    assert a.meta_refs[g[1]] == REF_MAX and a.meta_refs[g[2]] == 1, "a hit raises the count, up to REF_MAX"
+    with s.locks.hold(CLASS_LOCK_BASE + info.cid):
+        assert a.evict_blocks(info, n - 1) == n - 1
+    assert check_value(twice, s.get(twice)), "the block hit twice survives"
+    assert s.get(once) is None
+    assert a.meta_refs[g[1]] == 1, "lowered by each of the two passes, raised by the get above"
+    assert_clean(s)
+
+
 def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     """Class A fills the pool; then A and B are put at equal byte rates. B starts with no slab (it must
     take one), and takes slabs from A until their retentions (slab bytes / demand) are within the move
