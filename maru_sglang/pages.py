@@ -78,7 +78,9 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     a key named twice in one call keeps its first copy, as SGLang's HiCacheFile does. Every key whose
     home slot holds an entry is looked up before the copy (`Store.maybe_present`; an empty home slot
     proves a key absent): a present page gets no block, so offering it again never makes room by
-    evicting another value, whichever keys the index happens to have displaced. The pages written are
+    evicting another value, whichever keys the index happens to have displaced. A present page offered
+    again is marked used as a hit marks it (`Store.touch`): a chain offered past a missing page has its
+    gap filled by this call, and the pages after the gap serve hits again from now on. The pages written are
     checked again under their shard lock at publication (skip_existing, assume_absent): a page another
     process publishes meanwhile keeps its first copy.
     `relations` (one record per key, lineage.py) goes with the pages that are written.
@@ -94,7 +96,10 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     maybe = np.flatnonzero(store.maybe_present(digests) & first)
     if maybe.size:
         found = store.resolve(digests[maybe], full=False)
-        present[maybe] = found.ok & (found.lengths == page_bytes)
+        again = found.ok & (found.lengths == page_bytes)
+        present[maybe] = again
+        if again.any():
+            store.touch(digests[maybe[again]])
     todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * n, 0

@@ -41,3 +41,22 @@ def test_offering_stored_pages_again_writes_and_evicts_nothing(pool_path):
         assert res == [True] * len(present) and written == 0
         assert s.stats()["evictions"] == stats["evictions"]
         assert s.resolve(d[present], full=False).ok.all()
+
+
+def test_a_stored_page_offered_again_is_marked_used_as_a_hit_marks_it(pool_path):
+    """Pages offered again and found stored get what a hit gives them (a raised ref count): a chain offered
+    past a missing page serves hits from its later pages again once the set fills the gap, so they must not
+    be the block CLOCK's next victims. Pages not offered again keep their count."""
+    buf = np.random.default_rng(7).integers(0, 256, PAGE, dtype=np.uint8)
+    with Store.open(pool_path, "1M", create=True, granule=1024) as s:
+        keys = [f"page-{i}" for i in range(4)]
+        d = digest_array([key_digest(k) for k in keys])
+        assert all(store_pages(s, keys[:3], d[:3], _pieces(buf, 3), PAGE)[0])
+
+        def refs():
+            return s.alloc.meta_refs[s.resolve(d[:3], full=False).offsets.astype(np.int64) // s.geo.granule].tolist()
+        assert refs() == [0, 0, 0], "a page is born unreferenced"
+        again = [0, 2, 3]
+        res, written = store_pages(s, [keys[i] for i in again], d[again], _pieces(buf, 3), PAGE)
+        assert res == [True] * 3 and written == 1
+        assert refs() == [1, 0, 1]
