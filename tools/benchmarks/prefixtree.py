@@ -82,8 +82,8 @@ SHAPES = {
 PLAIN = SHAPES["chat"]
 SIZES = (1.5, 3.0, 6.0)  # working set / pool
 SAMPLES = 6  # usable-payload samples over the second half
-# One get in this many copies its pages; the others only mark them read (Store.touch: the ref bits a get
-# sets). What a get does to eviction is the same; the copies would cost most of a replay's time.
+# One get in this many copies its pages; the others only mark them read (Store.touch raises the ref counts as
+# a get does). What a get does to eviction is the same; the copies would cost most of a replay's time.
 COPY_EVERY = 16
 
 
@@ -211,7 +211,7 @@ class MaruBackend:
         return self.backend.store.stats()["live_bytes"]
 
     def touch(self, digests) -> None:
-        """What a get does to eviction (the ref bits of the values read), without the copy."""
+        """What a get does to eviction (the ref counts of the values read), without the copy."""
         assert self.backend.store.touch(digests) == len(digests), "a page batch_exists reported is gone"
 
     def check(self) -> bool:
