@@ -394,7 +394,8 @@ class Index:
 
     def clock_victim(self, shard: int, is_referenced, is_pinned=None):
         """Pick a cold entry of the shard (CLOCK over slots); return (digest, word, offset). When every
-        entry stays referenced for two sweeps, the first one not `is_pinned` is taken."""
+        entry stays referenced for two sweeps (`is_referenced(offset, age=True)` ages it as it is passed), the
+        first one not `is_pinned` is taken."""
         hdr = self.off_hdr + shard * SHARD_HEADER
         count, hand = SHARD_STRUCT.unpack_from(self.mm, hdr)
         hand &= self.mask

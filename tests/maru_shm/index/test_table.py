@@ -139,7 +139,7 @@ def test_probe_loops_are_bounded_on_a_full_or_garbage_shard():
     with pytest.raises(CorruptPoolError, match="no empty slot"):  # a StoreError, like every damage
         idx.put(0, missing, 6, 0)
     assert idx.find(dig(1000 + 31, 31)) == (6, 0)
-    victim = idx.clock_victim(0, lambda off, clear=False: True)  # all referenced: falls back, terminates
+    victim = idx.clock_victim(0, lambda off, age=False: True)  # all referenced: falls back, terminates
     assert victim is not None
 
 
@@ -150,9 +150,9 @@ def test_clock_victim_prefers_unreferenced():
     cold = {3 * 4096, 7 * 4096}
     refs = {j * 4096: j * 4096 not in cold for j in range(10)}
 
-    def is_ref(off, clear=False):
+    def is_ref(off, age=False):
         r = refs[off]
-        if clear:
+        if age:
             refs[off] = False
         return r
 
