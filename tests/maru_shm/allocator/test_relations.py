@@ -32,12 +32,22 @@ def _put_chain(s, name: str, n: int, size: int, relations: bool, group: int, par
     return keys
 
 
-def _churn(s, relations: bool, chains: int = 120, seed: int = 3):
-    """Chains of 4..24 pages of 64 KiB, and every third chain read back whole (the CLOCK's ref bits)."""
+def _churn(s, relations: bool, chains: int = 120, seed: int = 3, turns: int = 1):
+    """Chains of 4..24 pages of 64 KiB, each written in `turns` batches (without records only), and every
+    third chain read back whole (the CLOCK's ref counts)."""
     rnd = random.Random(seed)
     stored = []
     for c in range(chains):
-        stored.append(_put_chain(s, f"c{c}", rnd.randint(4, 24), 64 * KiB, relations, group=c + 1))
+        n = rnd.randint(4, 24)
+        if turns == 1:
+            stored.append(_put_chain(s, f"c{c}", n, 64 * KiB, relations, group=c + 1))
+        else:
+            assert not relations
+            keys = [f"c{c}-{i}" for i in range(n)]
+            for t in range(turns):
+                part = keys[t * n // turns:(t + 1) * n // turns]
+                assert all(s.batch_put(part, [make_value(k, 1, 64 * KiB) for k in part]))
+            stored.append(keys)
         if c % 3 == 0:
             old = stored[rnd.randrange(len(stored))]
             s.batch_get_into(old, [bytearray(64 * KiB) for _ in old])
@@ -57,9 +67,10 @@ def test_chains_with_records_keep_only_usable_pages(open_store):
 
 
 def test_without_records_the_plain_clock_strands_pages(open_store):
-    """The same workload without records: the CLOCK evicts heads under their tails, stranding them."""
+    """The same workload without records, each chain written in two batches as a conversation grows: the
+    CLOCK evicts heads under their tails, stranding them."""
     s = open_store("32M")
-    live, usable = _churn(s, relations=False)
+    live, usable = _churn(s, relations=False, turns=2)
     assert usable < live
 
 
