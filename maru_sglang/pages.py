@@ -70,6 +70,12 @@ def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | Non
     return out.reshape(n, per, 2)
 
 
+def mark_offered_again(store, digests: np.ndarray) -> None:
+    """Stored pages a set offers again are marked used as a hit marks them (`Store.touch`): a chain offered
+    past a missing page has its gap filled by this call, and the pages after the gap serve hits again."""
+    store.touch(digests)
+
+
 def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
                 page_bytes: int, relations=None) -> Tuple[List[bool], int]:
     """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
@@ -78,9 +84,8 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     a key named twice in one call keeps its first copy, as SGLang's HiCacheFile does. Every key whose
     home slot holds an entry is looked up before the copy (`Store.maybe_present`; an empty home slot
     proves a key absent): a present page gets no block, so offering it again never makes room by
-    evicting another value, whichever keys the index happens to have displaced. A present page offered
-    again is marked used as a hit marks it (`Store.touch`): a chain offered past a missing page has its
-    gap filled by this call, and the pages after the gap serve hits again from now on. The pages written are
+    evicting another value, whichever keys the index happens to have displaced; it is marked used
+    (`mark_offered_again`). The pages written are
     checked again under their shard lock at publication (skip_existing, assume_absent): a page another
     process publishes meanwhile keeps its first copy.
     `relations` (one record per key, lineage.py) goes with the pages that are written.
@@ -99,7 +104,7 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
         again = found.ok & (found.lengths == page_bytes)
         present[maybe] = again
         if again.any():
-            store.touch(digests[maybe[again]])
+            mark_offered_again(store, digests[maybe[again]])
     todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * n, 0

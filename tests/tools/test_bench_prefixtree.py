@@ -7,6 +7,7 @@ that holds the whole working set serves exactly what an unbounded one does).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tools.benchmarks.prefixrules import RULES, rules_off, variants_of
@@ -176,3 +177,28 @@ def test_hybrid_tier_creates_its_pool_for_its_smallest_page(caplog):
         assert not [r for r in caplog.records if "created for larger values" in r.getMessage()]
     finally:
         tier.close()
+
+
+def test_the_count_switch_is_the_one_bit_clock(open_store):
+    """`--prefixtree-ab count`: a hit sets the ref to 1 at most and a set marks no page it offers again; the
+    count and the mark come back on the way out."""
+    from maru_sglang import pages
+    from maru_shm.allocator import blockclock
+    from maru_shm.index import key_digest
+    from ..conftest import make_value
+    s = open_store("16M")
+    assert s.put("k", make_value("k", 1, 4096))
+    g = s.index.find(key_digest("k"))[1] // s.geo.granule
+
+    def refs_after_two_gets():
+        s.alloc.meta_refs[g] = 0
+        for _ in range(2):
+            assert s.get("k") is not None
+        return int(s.alloc.meta_refs[g])
+
+    mark = pages.mark_offered_again
+    with rules_off(("count",)):
+        assert refs_after_two_gets() == 1 and blockclock.REF_MAX == 1
+        pages.mark_offered_again(s, np.array([key_digest("k")]))  # switched off: marks nothing
+        assert s.alloc.meta_refs[g] == 1
+    assert refs_after_two_gets() == 2 and pages.mark_offered_again is mark

@@ -1,7 +1,8 @@
 """The rules of the default eviction, each switched off for an A/B (`--prefixtree-ab`): what each one wins.
 
-A variant is the default (relation records written) with some rules replaced, in this process only, by what
-the store does without them; `all` switches every rule off at once.
+A variant is the default (`maru_prefix_eviction: auto`: records for hybrid models, none for plain ones) with
+some rules replaced, in this process only, by what the store does without them; `all` switches every rule
+off at once. The record rules change only a model that writes records; `count` changes every CLOCK.
 """
 
 from __future__ import annotations
@@ -9,6 +10,15 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+
+
+def _one_bit_ref():
+    """The CLOCKs' `ref` one bit (REF_MAX 1), and no mark on the stored pages a set offers again."""
+    from maru_sglang import pages
+    from maru_shm import readpath
+    from maru_shm.allocator import blockclock, blockmeta
+    return [(m, "REF_MAX", 1) for m in (readpath, blockclock, blockmeta)] + \
+        [(pages, "mark_offered_again", lambda store, digests: None)]
 
 
 def _no_order():
@@ -70,6 +80,7 @@ def _no_retention():
 
 
 RULES = {
+    "count": _one_bit_ref,         # a hit raises the ref count to 2, a set marks the pages it offers again
     "order": _no_order,            # a chunk's victims segment by segment, tail first
     "parent": _no_parent_strand,   # a doom of a segment strands the segments continuing it
     "birthdoom": _no_birth_doom,   # a segment written after its parent went is doomed at birth

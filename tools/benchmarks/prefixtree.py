@@ -358,7 +358,7 @@ def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f:
     from .prefixrules import rules_off
     host = host_pages(trace, pool_size, model.page_bytes) if sglang_like else None
     out = {}
-    contestants = [("ours", None, ()), ("clock", False, ())] + [(k, True, v) for k, v in (variants or {}).items()]
+    contestants = [("ours", None, ()), ("clock", False, ())] + [(k, None, v) for k, v in (variants or {}).items()]
     for name, prefix, off in contestants:
         with rules_off(off):
             tier = model.maru(pool_size, prefix, f"prefixtree-{name}")
