@@ -48,10 +48,10 @@ class MaruConfig:
     eager_map: bool = True
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
-    # Record how pages relate, so eviction keeps what can still be a hit. None ("auto"): for hybrid models
-    # only, whose partner pools need group dooming; a plain model gets the plain per-class CLOCK, because the
-    # records lose tokens to it where a host L2 holds the heads of chains (BENCHMARKS.md, prefix-tree family).
-    prefix_eviction: bool | None = None
+    # Record how pages relate, so eviction frees first what can no longer be a hit. Off by default ("auto"
+    # too): every model gets the per-class CLOCK, because the records lose tokens to it in some cell of every
+    # trace shape, hybrid models included (BENCHMARKS.md, prefix-tree family).
+    prefix_eviction: bool = False
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
     heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it

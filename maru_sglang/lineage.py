@@ -18,8 +18,8 @@ FORMAT.md section 6a); this module writes them:
 - A page of a trailing pool (`TRAILING_PAGES`: SWA, Mamba; only the last pages serve) strands its whole
   segment when it goes.
 
-Records are written for hybrid models only (`maru_prefix_eviction: auto`, the default): a plain model's
-pages are evicted by the plain per-class CLOCK. `true` / `false` force them on / off.
+Records are written only with `maru_prefix_eviction: true`. By default every model's pages are evicted by
+the per-class CLOCK: the records lose tokens to it in some cell of every trace shape (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -73,22 +73,17 @@ class Segment:
 
 
 class Lineage:
-    """The segments of one backend's set calls. `setting`: maru_prefix_eviction (None: auto); `store()` the
-    pool's store; `keyspace` whose pages these are; `hybrid` the v2 pools (whether there are any, and what
-    each stores); `log_once(what, error)` logs a failure once per cause."""
+    """The segments of one backend's set calls. `enabled`: maru_prefix_eviction; `store()` the pool's store;
+    `keyspace` whose pages these are; `hybrid` the v2 pools (what each stores); `log_once(what, error)` logs a
+    failure once per cause."""
 
-    def __init__(self, setting: bool | None, store: Callable[[], Store], keyspace: KeySpace, hybrid: HybridPools,
+    def __init__(self, enabled: bool, store: Callable[[], Store], keyspace: KeySpace, hybrid: HybridPools,
                  log_once: LogOnce):
-        self.setting = setting
+        self.enabled = enabled
         self._store = store
         self.keyspace = keyspace
         self.hybrid = hybrid
         self._log_once = log_once
-
-    @property
-    def enabled(self) -> bool:
-        """The setting, or when it is auto (None): whether a hybrid model's partner pools are registered."""
-        return self.setting if self.setting is not None else bool(self.hybrid.pools)
 
     @staticmethod
     def _prefix(extra_info) -> Optional[list]:

@@ -41,9 +41,9 @@ def _head_and_tail(make_instance, seed: int):
 
 
 @pytest.mark.parametrize("setting", [None, "auto", False])
-def test_a_plain_model_writes_no_relation_records_by_default(make_instance, pool_path, setting):
-    """By default (auto) a plain model's pages carry no relation records: the plain per-class CLOCK evicts
-    them. The records are for hybrid models, whose partner pools need group dooming (test_sglang_v2.py)."""
+def test_pages_carry_no_relation_records_by_default(make_instance, pool_path, setting):
+    """By default (auto) pages carry no relation records: the per-class CLOCK evicts them (a hybrid model's
+    too: test_sglang_v2.py)."""
     maru = {} if setting is None else {"maru_prefix_eviction": setting}
     host, backend = make_instance(kind="mha", page_size=1, pages=BATCH, size="64M", maru=maru,
                                   pool=f"{pool_path}-{setting}")

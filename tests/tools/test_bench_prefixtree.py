@@ -129,11 +129,12 @@ def test_summary_is_the_cells_own_figures(tiny):
     prints the summary and every cell."""
     other = prefixtree(seed=12, requests=160, conversations=16, sizes=(0.8, 4.0), variants=variants_of(["all"]))
     assert other["pages"] != tiny["pages"]  # another trace
-    s = summary([tiny, other], ["all"])
+    s = summary([tiny, other], variants_of(["all"]))
     runs = list(tiny["runs"].values()) + list(other["runs"].values())
     vs_lru = [r["ours"]["tokens"] / r["lru"]["tokens"] for r in runs]
     assert s["cells"] == 8 and s["vs_lru"]["mean"] == pytest.approx(sum(vs_lru) / 8) and s["vs_lru"]["min"] == min(vs_lru)
-    assert s["ab"]["all"]["min"] == min(r["ours"]["tokens"] / max(1, r["all"]["tokens"]) for r in runs)
+    assert s["ab"]["all"]["min"] == min(r["records"]["tokens"] / max(1, r["all"]["tokens"]) for r in runs)  # a record rule's base
+    assert s["records_vs_clock"]["min"] == min(r["records"]["tokens"] / max(1, r["clock"]["tokens"]) for r in runs)
     assert s["usable_live_min"] == min(r["ours"]["usable_live"] for r in runs if r["replay"] == "direct")
     result = {"shape": "chat", "summary": {"plain": s}, "by_seed": {11: {"plain": tiny}, 12: {"plain": other}}}
     figs = _figures(result)

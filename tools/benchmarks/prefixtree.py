@@ -19,7 +19,9 @@ Two replays of the same trace:
 Contestants, each on the same replay:
   ours        MaruStorage made by SGLang's backend factory (the default eviction);
   clock       the same with `maru_prefix_eviction: false` (the plain per-class CLOCK);
-  variants    ours with rules switched off (prefixrules.py, `--prefixtree-ab`): the A/B of each rule;
+  records     the same with `maru_prefix_eviction: true` (relation records: group dooming);
+  variants    ours, or records for a rule of theirs, with rules switched off (prefixrules.py,
+              `--prefixtree-ab`): the A/B of each rule;
   LRU         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages);
   LRU held    the same over the most pages the pool held: the policy alone, without the slabs' cost;
   unbounded   a pool that never evicts: the most any policy can serve.
@@ -355,10 +357,11 @@ def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f:
              model: Model = PLAIN_MODEL, variants: dict | None = None) -> dict:
     """Every contestant at one pool size and replay: tokens served, usable / file, usable / live.
     `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant."""
-    from .prefixrules import rules_off
+    from .prefixrules import record_rules, rules_off
     host = host_pages(trace, pool_size, model.page_bytes) if sglang_like else None
     out = {}
-    contestants = [("ours", None, ()), ("clock", False, ())] + [(k, None, v) for k, v in (variants or {}).items()]
+    contestants = [("ours", None, ()), ("clock", False, ()), ("records", True, ())] + \
+        [(k, True if record_rules(v) else None, v) for k, v in (variants or {}).items()]
     for name, prefix, off in contestants:
         with rules_off(off):
             tier = model.maru(pool_size, prefix, f"prefixtree-{name}")
@@ -414,21 +417,26 @@ def cells(results: list) -> list:
     return [(r, run) for r in results for run in r["runs"].values()]
 
 
-def summary(results: list, variants=()) -> dict:
-    """Over the cells of `results` (one shape and model, any seeds): ours / plain CLOCK and ours / LRU (mean,
-    worst), the lowest usable / live of the direct replay, and per variant ours / variant (mean, worst): what
-    the rule it switches off wins."""
+def summary(results: list, variants: dict | None = None) -> dict:
+    """Over the cells of `results` (one shape and model, any seeds): ours and records / plain CLOCK and / LRU
+    (mean, worst), the lowest usable / live of the direct replay, and per variant (`variants_of`) its base /
+    variant (mean, worst): what the rules it switches off win."""
     rows = cells(results)
 
     def ratios(a, b):
         v = [run[a]["tokens"] / max(1, run[b]["tokens"]) for _, run in rows]
         return {"mean": float(np.mean(v)), "min": float(min(v)), "max": float(max(v))}
-    direct = [run["ours"]["usable_live"] for _, run in rows if run["replay"] == "direct"]
+    from .prefixrules import record_rules
+
+    def usable_live(name):
+        direct = [run[name]["usable_live"] for _, run in rows if run["replay"] == "direct"]
+        return float(min(direct)) if direct else None
     return {"cells": len(rows), "vs_clock": ratios("ours", "clock"), "vs_lru": ratios("ours", "lru"),
-            "clock_vs_lru": ratios("clock", "lru"),
-            "usable_live_min": float(min(direct)) if direct else None,
+            "clock_vs_lru": ratios("clock", "lru"), "records_vs_clock": ratios("records", "clock"),
+            "records_vs_lru": ratios("records", "lru"),
+            "usable_live_min": usable_live("ours"), "records_usable_live_min": usable_live("records"),
             "usable_file_min": float(min(run["ours"]["usable_file"] for _, run in rows)),
-            "ab": {v: ratios("ours", v) for v in variants}}
+            "ab": {v: ratios("records" if record_rules(off) else "ours", v) for v, off in (variants or {}).items()}}
 
 
 def _figures(r: dict) -> list:
@@ -445,6 +453,8 @@ def _figures(r: dict) -> list:
         if s["usable_live_min"] is not None:
             figs.append(figure(f"usable / live payload, lowest direct cell, {where}", s["usable_live_min"], None, None,
                                goal=f">= {USABLE_LIVE}", met=s["usable_live_min"] >= USABLE_LIVE))
+        figs.append(figure(f"maru_prefix_eviction true: tokens from L3 / plain CLOCK, mean, {where}",
+                           s["records_vs_clock"]["mean"], None, None, worst=s["records_vs_clock"]["min"]))
         for v, ab in s["ab"].items():
             figs.append(figure(f"A/B: tokens with / without {v}, mean, {where}", ab["mean"], None, None,
                                worst=ab["min"]))
