@@ -70,10 +70,11 @@ def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | Non
     return out.reshape(n, per, 2)
 
 
-def mark_offered_again(store, digests: np.ndarray) -> None:
-    """Stored pages a set offers again are marked used as a hit marks them (`Store.touch`): a chain offered
-    past a missing page has its gap filled by this call, and the pages after the gap serve hits again."""
-    store.touch(digests)
+def mark_offered_again(store, digests: np.ndarray, found=None) -> None:
+    """Stored pages a set offers again are marked used as a hit marks them (`Store.touch`; `found`: their
+    lookup, whose ok keys are the stored ones): a chain offered past a missing page has its gap filled by
+    this call, and the pages after the gap serve hits again."""
+    store.touch(digests, found)
 
 
 def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
@@ -101,10 +102,10 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     maybe = np.flatnonzero(store.maybe_present(digests) & first)
     if maybe.size:
         found = store.resolve(digests[maybe], full=False)
-        again = found.ok & (found.lengths == page_bytes)
-        present[maybe] = again
-        if again.any():
-            mark_offered_again(store, digests[maybe[again]])
+        found.ok &= found.lengths == page_bytes  # a value of another length is not this page
+        present[maybe] = found.ok
+        if found.ok.any():
+            mark_offered_again(store, digests[maybe], found)
     todo = np.flatnonzero(~present)
     if not todo.size:
         return [True] * n, 0

@@ -146,9 +146,10 @@ class ReadPath:
             self._mark_used_many(offs[still], gidx[still])
         return ok
 
-    def touch(self, darr: np.ndarray) -> int:
-        """Mark the values of these digests used, as a hit would, without a copy; the number present."""
-        r = resolve(self.att, darr, full=False)
+    def touch(self, darr: np.ndarray, found: Resolved | None = None) -> int:
+        """Mark the values of these digests used, as a hit would, without a copy; the number present.
+        `found`: their `resolve` answer, when the caller has one (no second lookup; its ok keys are marked)."""
+        r = resolve(self.att, darr, full=False) if found is None else found
         offs = r.offsets[r.ok].astype(np.int64)
         self._mark_used_many(offs, offs >> granule_shift(self.att.geo))
         return len(offs)

@@ -452,9 +452,10 @@ class Store:
         return leading_present(self.att, darr, length)
 
     @_entry
-    def touch(self, digests) -> int:
-        """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist."""
-        return self.reader.touch(digest_array(digests))
+    def touch(self, digests, found=None) -> int:
+        """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist.
+        `found`: `resolve(digests)`'s answer when the caller has one: no second lookup, its ok keys are marked."""
+        return self.reader.touch(digest_array(digests), found)
 
     @_entry
     def relation_of(self, digest: bytes) -> tuple[int, int] | None:

@@ -19,7 +19,7 @@ def _one_bit_ref():
     from maru_shm import readpath
     from maru_shm.allocator import blockclock, blockmeta
     return [(m, "REF_MAX", 1) for m in (readpath, blockclock, blockmeta)] + \
-        [(pages, "mark_offered_again", lambda store, digests: None)]
+        [(pages, "mark_offered_again", lambda store, digests, found=None: None)]
 
 
 def _no_order():
