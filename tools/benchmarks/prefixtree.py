@@ -44,6 +44,7 @@ import numpy as np
 from maru_shm import remove_pool
 
 from .hostpool import _host_pool, _storage_config, maru_extra
+from .prefixrules import record_rules, rules_off, variants_of
 from .registry import figure, pool_path, progress_of, scenario
 
 PAGE_BYTES = 128 << 10  # Llama-3.1-8B, bf16, page_size 1: one token per page
@@ -356,13 +357,18 @@ def replay(trace: Trace, tier, sglang_like: bool, progress=lambda f: None, seed:
 def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f: None,
              model: Model = PLAIN_MODEL, variants: dict | None = None) -> dict:
     """Every contestant at one pool size and replay: tokens served, usable / file, usable / live.
-    `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant."""
-    from .prefixrules import record_rules, rules_off
+    `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant.
+    Contestants of one setting (the default's is the plain CLOCK's) share one replay: it is deterministic."""
+    from maru_sglang.config import MaruConfig
     host = host_pages(trace, pool_size, model.page_bytes) if sglang_like else None
-    out = {}
-    contestants = [("ours", None, ()), ("clock", False, ()), ("records", True, ())] + \
-        [(k, True if record_rules(v) else None, v) for k, v in (variants or {}).items()]
+    out, ran = {}, {}
+    default = MaruConfig.from_extra_config({}).prefix_eviction
+    contestants = [("ours", default, ()), ("clock", False, ()), ("records", True, ())] + \
+        [(k, True if record_rules(v) else default, v) for k, v in (variants or {}).items()]
     for name, prefix, off in contestants:
+        if (prefix, off) in ran:
+            out[name] = dict(ran[(prefix, off)])
+            continue
         with rules_off(off):
             tier = model.maru(pool_size, prefix, f"prefixtree-{name}")
             try:
@@ -371,7 +377,7 @@ def run_size(trace: Trace, pool_size: int, sglang_like: bool, progress=lambda f:
                 assert tier.check()
             finally:
                 tier.close()
-        out[name] = r
+        out[name] = ran[(prefix, off)] = r
     ours = out["ours"]
     held = ours["live_max"]  # what the pool itself held: LRU with the pool's own capacity
     for name, cap in (("lru", ours["data_bytes"]), ("lru_held", held), ("unbounded", None)):
@@ -426,8 +432,6 @@ def summary(results: list, variants: dict | None = None) -> dict:
     def ratios(a, b):
         v = [run[a]["tokens"] / max(1, run[b]["tokens"]) for _, run in rows]
         return {"mean": float(np.mean(v)), "min": float(min(v)), "max": float(max(v))}
-    from .prefixrules import record_rules
-
     def usable_live(name):
         direct = [run[name]["usable_live"] for _, run in rows if run["replay"] == "direct"]
         return float(min(direct)) if direct else None
@@ -463,7 +467,6 @@ def _figures(r: dict) -> list:
 
 @scenario(NAME)
 def bench_prefixtree(args) -> dict:
-    from .prefixrules import variants_of
     from .prefixtree_hybrid import hybrid_model
     progress = progress_of(args)
     seeds = list(getattr(args, "prefixtree_seeds", None) or [11, 12, 13])
