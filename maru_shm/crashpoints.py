@@ -103,7 +103,6 @@ POINTS = (
     "evict.mid",
     "evict.block_mid",
     "slab.mid_move",
-    "move.after_relocate",
     "slab.mid_format",
     "slab.mid_free",
     "reap.mid",

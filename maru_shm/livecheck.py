@@ -102,9 +102,6 @@ class _Pool:
     def unpublish_many(self, halves, offsets, words):
         raise StoreError("internal error: the read-only check asked to unpublish blocks")
 
-    def repoint_many(self, halves, offsets, words, new_offsets, new_words):
-        raise StoreError("internal error: the read-only check asked to move blocks")
-
     def release_views(self) -> None:
         self.alloc.release_views()
         self.index.release_views()

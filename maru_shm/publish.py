@@ -178,24 +178,6 @@ class Publisher:
                     _cp.hit("evict.mid")  # after unpublishing a block of the victim window
             return out
 
-    def repoint_many(self, halves: np.ndarray, offsets: np.ndarray, words: np.ndarray, new_offsets: np.ndarray,
-                     new_words: np.ndarray) -> np.ndarray:
-        """Switch each entry that still names its block (offset, word) to the block's copy (new offset, new
-        word), in one round of the shard locks; the mask of entries switched. A switched copy is disowned
-        while the lock pins its entry (as a publisher does, Put step 5); one not switched stays ours."""
-        att, index = self.att, self.att.index
-        shards = (halves[:, 0] & index.smask_u).astype(np.int64)
-        out = np.zeros(len(offsets), dtype=bool)
-        with att.locks.hold_many(dense_range((shards + SHARD_LOCK_BASE).tolist()),
-                                 repair_for=self.repair_shard_lock):
-            att.alloc.kept_blocks.may_index(new_offsets.tolist())
-            for k, s in enumerate(shards.tolist()):
-                new = int(new_offsets[k])
-                if index.repoint(s, halves[k].tobytes(), int(words[k]), int(offsets[k]), int(new_words[k]), new):
-                    U16.pack_into(att.mm, att.geo.meta_of(new) + META_OWNER_OFF, 0)
-                    out[k] = True
-        return out
-
     def indexed_many(self, blocks) -> list[bool]:
         """Per (digest, offset, word, disown): is that block the published value of its digest?
 

@@ -165,7 +165,6 @@ class AllocatorServices:
         self.slot_alive = procs.alive
         self.indexed_many = publisher.indexed_many
         self.unpublish_many = publisher.unpublish_many
-        self.repoint_many = publisher.repoint_many
         self._procs = procs
 
     @property

@@ -9,8 +9,6 @@ while its class with the shortest retention keeps its pages.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from ..format import (CLASS_ENTRY, CLS_DEMAND, CLS_DEMAND_EPOCH, CLS_K, CLS_NSLABS, DEMAND_ACC_OFF,
@@ -20,20 +18,10 @@ from .classtable import ClassInfo
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes
 # (an epoch).
 DEMAND_EPOCH_DIV = 4
-# An evicting move (values that do not fit elsewhere in the giver are evicted, each dooming its request)
-# needs the giver's retention after giving to exceed the taker's after taking by this margin: demand noise
-# must not trade slabs back and forth at the price of evictions.
+# A move (the giver's values in the window are evicted, each dooming its request) needs the giver's
+# retention after giving to exceed the taker's after taking by this margin: demand noise must not trade
+# slabs back and forth at the price of evictions.
 MOVE_MARGIN = 0.3
-# A relocating move (every value moves, nothing is evicted) needs only to lengthen the shorter retention of
-# the pair by this much. One slab lengthens the taker's by 1 / its slabs, so this also bounds the takers to
-# classes of at most 1 / RELOCATE_GAIN slabs.
-RELOCATE_GAIN = 0.03
-
-
-class Donors(NamedTuple):
-    """The classes that may give a slab to a class that must make room (class ids)."""
-    relocate: np.ndarray  # only a slab whose live values all move to free blocks of its class
-    evict: np.ndarray     # any slab, evicting the values that do not fit
 
 
 class DemandPolicy:
@@ -71,30 +59,26 @@ class DemandPolicy:
         U64.pack_into(mm, co + CLS_DEMAND, min(dem + nbytes, 2**63))
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
-    def donors(self, info: ClassInfo) -> Donors:
-        """The classes that may give a slab to class c = `info` now (the rule: DESIGN.md section 7). With
-        retention r = slab units / decayed demand, d may give a slab whose values all move if
-        min(r_d after, r_c after) >= (1 + RELOCATE_GAIN) x r_c now, and any slab if
-        r_d after >= (1 + MOVE_MARGIN) x r_c after. Other classes' counters are read without their locks:
-        a stale value only shifts one decision.
+    def donors(self, info: ClassInfo) -> np.ndarray:
+        """The classes (ids) that may give a slab to class c = `info` now (the rule: DESIGN.md section 7).
+        With retention r = slab units / decayed demand, d may give one if r_d after >= (1 + MOVE_MARGIN) x
+        r_c after. Other classes' counters are read without their locks: a stale value only shifts one
+        decision.
         """
         cid = info.cid
         k = self.cls_k.astype(np.float64)
         units = self.cls_nslabs.astype(np.float64) * k
         has_slab = self.cls_nslabs > 0
         if not has_slab[cid]:
-            every = np.flatnonzero(has_slab)
-            return Donors(every, every)
+            return np.flatnonzero(has_slab)
         (epoch,) = U32.unpack_from(self.mm, DEMAND_EPOCH_OFF)
         age = (np.uint32(epoch) - self.cls_epoch).astype(np.int64)
         dem = self.cls_demand.astype(np.float64) * np.exp2(-np.clip(age, 0, 63))
         if dem[cid] <= 0:
-            return Donors(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        now, taker = units[cid] / dem[cid], (units[cid] + k[cid]) / dem[cid]
+            return np.zeros(0, dtype=np.int64)
+        taker = (units[cid] + k[cid]) / dem[cid]
         with np.errstate(divide="ignore", invalid="ignore"):
             giver = np.where(dem > 0, (units - k) / dem, np.inf)
         others = has_slab.copy()
         others[cid] = False
-        relocate = others & (np.minimum(giver, taker) >= (1 + RELOCATE_GAIN) * now)
-        evict = others & (giver >= (1 + MOVE_MARGIN) * taker)
-        return Donors(np.flatnonzero(relocate), np.flatnonzero(evict))
+        return np.flatnonzero(others & (giver >= (1 + MOVE_MARGIN) * taker))

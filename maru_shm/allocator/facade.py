@@ -5,7 +5,6 @@
     kept         blocks kept for our next puts      reserve     allocation, making room
     release      freeing and its derived state      demand      POLICY: move a slab or evict within
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
-    relocation   a leaving slab's values moved to free blocks of their class (the slab mover's first step)
     relations    how values relate, the doom ring   (hints the block CLOCK orders its victims by)
     repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
 
@@ -137,7 +136,7 @@ class Allocator:
         return self.clock.evict_blocks(info, m)
 
     def donors(self, info: ClassInfo):
-        """demand.Donors: the classes that may give this class a slab now."""
+        """The classes (ids) that may give this class a slab now (demand.py)."""
         return self.demand.donors(info)
 
     def find_free_run(self, k: int) -> int | None:

@@ -1,8 +1,7 @@
 """What the allocator needs from the layer above it, declared: the allocator never sees the Store.
 
-Evicting a published block means unpublishing it (the index side, under SHARD locks), and relocating one
-switching its entry to the copy; freeing a LIVE block in a repair means asking whether it is still
-indexed; reaping asks whether an owner is alive.
+Evicting a published block means unpublishing it (the index side, under SHARD locks); freeing a LIVE
+block in a repair means asking whether it is still indexed; reaping asks whether an owner is alive.
 Those answers live above the allocator (the index is its sibling, not its child), so they come in
 through this interface: the store implements it for real, the read-only checks with what a reader may
 do, and tests with what they need.
@@ -33,8 +32,3 @@ class AllocatorHost(Protocol):
 
     def unpublish_many(self, halves: np.ndarray, offsets: np.ndarray, words: np.ndarray) -> np.ndarray:
         """Remove the index entries naming these blocks; the mask of entries removed (SHARD locks)."""
-
-    def repoint_many(self, halves: np.ndarray, offsets: np.ndarray, words: np.ndarray, new_offsets: np.ndarray,
-                     new_words: np.ndarray) -> np.ndarray:
-        """Switch the index entries naming these blocks (offset, word) to their copies (new offset, new word)
-        and disown the copies; the mask of entries switched (SHARD locks)."""

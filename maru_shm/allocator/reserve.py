@@ -111,9 +111,8 @@ class Reserver:
         """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
 
         Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) from the
-        classes the demand policy names donors, first one whose values all move, then one that evicts,
-        else evict blocks of this class (block CLOCK); whichever is tried first, the other is the fallback
-        (a move then from any class). False if no room could be made.
+        classes the demand policy names donors, else evict blocks of this class (block CLOCK); with no
+        donor and no victim, a move from any class. False if no room could be made.
         """
         need = -(-nblocks // info.bps)
         if nblocks >= info.bps:
@@ -128,13 +127,11 @@ class Reserver:
             return True  # values that can no longer be a hit go before any slab move or CLOCK victim
         with self.locks.pool_lock():
             donors = self.demand.donors(info)
-            if len(donors.relocate) and self.mover.move_slab(info, set(donors.relocate.tolist()), may_evict=False):
-                return True
-            if len(donors.evict) and self.mover.move_slab(info, set(donors.evict.tolist())):
+            if len(donors) and self.mover.move_slab(info, set(donors.tolist())):
                 return True
         if self.clock.evict_blocks(info, nblocks):
             return True
-        if not len(donors.evict):  # every block of the class in flight or pinned: a slab of any class will do
+        if not len(donors):  # every block of the class in flight or pinned: a slab of any class will do
             with self.locks.pool_lock():
                 return self.mover.move_slab(info)
         return False

@@ -3,7 +3,7 @@
 The slab CLOCK hand (superblock `slab_hand`) walks HEAD units, giving a referenced slab a second chance.
 A window of k units is taken only if every slab overlapping it can be locked without waiting, is of a
 donor class (demand.py decides whether to move, and from which classes) and holds no block of a live
-process and no pinned block (DESIGN.md section 7).
+process and no pinned block (DESIGN.md section 7). The window's live values are evicted.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLS_NSLABS, CLS_USED, FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE,
-                      UNIT_HEAD, UNIT_TAIL, length_sound)
+from ..format import (FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL,
+                      length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
 from .locking import AllocatorLocks
 from .relations import Relations
 from .release import BlockRelease
-from .relocation import Relocator
-from .slabtable import SlabTable, get32
+from .slabtable import SlabTable
 
 
 class SlabMover:
@@ -28,13 +27,11 @@ class SlabMover:
                  runs: FreeRuns, release: BlockRelease, relations: Relations):
         self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
         self.metas, self.runs, self.release, self.relations = metas, runs, release, relations
-        self.relocator = Relocator(host, slabs, metas, release, relations)
 
-    def move_slab(self, info: ClassInfo, donors=None, may_evict: bool = True) -> bool:
+    def move_slab(self, info: ClassInfo, donors=None) -> bool:
         """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids; None: any
-        class's) and format a slab of the class there. Values that fit nowhere else in their class are
-        evicted, or, without `may_evict`, the window is passed over."""
-        u = self.evict_for(info, donors, may_evict)
+        class's), evicting its values, and format a slab of the class there."""
+        u = self.evict_for(info, donors)
         if u is None:
             return False
         if _cp.ARMED is not None:
@@ -42,20 +39,16 @@ class SlabMover:
         self.slabs.format(u, info)
         return True
 
-    def evict_for(self, info: ClassInfo, donors=None, may_evict: bool = True) -> int | None:
+    def evict_for(self, info: ClassInfo, donors=None) -> int | None:
         """CLASS+POOL held: free a window of info.k units by emptying its slabs (all of the `donors` classes,
-        if given). A move that may not evict sweeps once, without second chances (it destroys nothing), over
-        donors with a slab's worth of free blocks (a window fits nowhere else)."""
+        if given)."""
         mm, slabs = self.slabs.mm, self.slabs
         n, k = self.slabs.geo.n_units, info.k
-        if not may_evict:
-            every = range(len(self.class_table.classes)) if donors is None else donors
-            donors = {c for c in every if self._spare_slab(c)}
         if k > n or (donors is not None and not donors):
             return None
         (hand,) = U32.unpack_from(mm, SLAB_HAND_OFF)
         hand %= n
-        for sweep in (range(3) if may_evict else (2,)):
+        for sweep in range(3):
             for step in range(n):
                 u = (hand + step) % n
                 if slabs.state(u) != UNIT_HEAD:
@@ -65,22 +58,16 @@ class SlabMover:
                     continue
                 if sweep < 2 and slabs.referenced(u, cinfo.k, clear=True):
                     continue
-                if self.evict_window(min(u, n - k), k, info.cid, donors, may_evict):
+                if self.evict_window(min(u, n - k), k, info.cid, donors):
                     U32.pack_into(mm, SLAB_HAND_OFF, (u + 1) % n)
                     run = self.runs.find_free_run(k)
                     if run is not None:
                         return run
         return None
 
-    def _spare_slab(self, cid: int) -> bool:
-        """Has the class a slab's worth of free blocks (its counts, a hint)?"""
-        info, co, mm = self.class_table.info(cid), self.slabs.geo.class_entry(cid), self.slabs.mm
-        return info is not None and get32(mm, co + CLS_NSLABS) * info.bps - get32(mm, co + CLS_USED) >= info.bps
-
-    def evict_window(self, w0: int, k: int, my_cid: int, donors=None, may_evict: bool = True) -> bool:
+    def evict_window(self, w0: int, k: int, my_cid: int, donors=None) -> bool:
         """CLASS[my_cid] and POOL held: empty every slab overlapping units [w0, w0 + k) if all can go (and all
-        are of the `donors` classes, if given; and, without `may_evict`, if their live values fit in free
-        blocks of their classes outside the window)."""
+        are of the `donors` classes, if given)."""
         heads = self.slabs.heads_in(w0, k)
         if heads is None:
             return False
@@ -105,9 +92,7 @@ class SlabMover:
                 if not self.slab_evictable(h, cinfo):
                     return False
                 infos.append((h, cinfo))
-            if not may_evict and not self._fits(infos):
-                return False
-            self.evict_slabs(infos, may_evict)
+            self.evict_slabs(infos)
             return True
         except BaseException:
             cut = True
@@ -129,79 +114,50 @@ class SlabMover:
                 return False
         return True
 
-    def evict_slabs(self, slabs: list[tuple[int, ClassInfo]], may_evict: bool = True) -> None:
-        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units. Live values move to
-        free blocks of their class elsewhere (relocation.py); with `may_evict` the rest are unpublished in one
-        round of their shard locks. A slab keeps its units if a live process claimed one of its blocks
-        meanwhile (an owner, or, once the claimant kept, reused and published the block again, a word that
-        moved on since `before`), or if it holds a value that neither moved nor was unpublished."""
+    def evict_slabs(self, slabs: list[tuple[int, ClassInfo]]) -> None:
+        """Holding the slabs' CLASS locks and POOL: empty the slabs and return their units. Live values are
+        unpublished in one round of their shard locks. A slab keeps its units if a live process claimed one
+        of its blocks meanwhile (an owner, or, once the claimant kept, reused and published the block again, a
+        word that moved on since `before`)."""
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        rows, valid, dead, orphaned = self._records(live)
-        relocated = self._relocate(slabs, live, lengths, where, dead)
+        rows, valid, orphaned = self._records(live)
         gone = np.zeros(len(live), dtype=bool)
-        rest = np.flatnonzero(~relocated & (dead | may_evict))
-        if len(rest):
-            halves = np.frombuffer(b"".join([live[j][0] for j in rest]), dtype="<u8").reshape(-1, 2)
-            gone[rest] = self.host.unpublish_many(halves, np.array([live[j][1] for j in rest], dtype=np.uint64),
-                                                  np.array([live[j][2] for j in rest], dtype=np.uint64))
+        if live:
+            halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
+            gone[:] = self.host.unpublish_many(halves, np.array([o for _, o, _ in live], dtype=np.uint64),
+                                               np.array([w for _, _, w in live], dtype=np.uint64))
         evicted = int(gone.sum())
         evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g and n > 0)
         doomed = gone & valid
         if doomed.any():  # the window's evicted values strand what depends on them (relations.py)
             self.relations.doom(rows[doomed], orphaned[doomed])
-        unindexed = relocated | gone  # blocks whose entries we removed or switched to a copy
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
-            mine = where == s
-            settled = may_evict or bool(unindexed[mine].all())  # without may_evict: all moved or dead
-            if settled and self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
+            if self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
                 self._return_units(h, info)
                 moved += 1
             else:  # no entry names these any more, and under the class lock no claim on them can follow
-                self.release.free_listed(info.cid, [live[j][1:] for j in np.flatnonzero(mine & unindexed)])
+                self.release.free_listed(info.cid, [live[j][1:] for j in np.flatnonzero((where == s) & gone)])
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
-                        orphans_freed=len(rest) - evicted)
-
-    def _fits(self, slabs) -> bool:
-        """Would every live value of the slabs find a free block of its class outside them?"""
-        leaving = {h for h, _ in slabs}
-        need: dict[int, tuple[ClassInfo, int]] = {}
-        for h, info in slabs:
-            live = int(((self.metas.meta_words[self._granules(h, info)] & np.uint64(3)) == LIVE).sum())
-            need[info.cid] = (info, need.get(info.cid, (info, 0))[1] + live)
-        return all(n == 0 or self.relocator.room(info, leaving) >= n for info, n in need.values())
+                        orphans_freed=len(live) - evicted)
 
     def _records(self, live: list):
-        """The live values' relation records, read once, and masks of those that apply, of those a doom has
-        stranded and of those stranded through their parent. A move never carries a stranded value: it could
-        land in a window this process's stranded search has passed in its lap (DESIGN.md section 8)."""
+        """The live values' relation records, read once, and masks of those that apply and of those stranded
+        through their parent (their dooms take the whole segment, relations.doom)."""
         none = np.zeros(len(live), dtype=bool)
         if not live or not self.relations.enabled:
-            return None, none, none, none
+            return None, none, none
         g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
         rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
         if not self.relations.doomed_any():
-            return rows, valid, none, none
-        by_group, by_parent = self.relations.stranded(rows, valid)
-        return rows, valid, valid & (by_group | by_parent), valid & by_parent
-
-    def _relocate(self, slabs, live: list, lengths: list, where: np.ndarray, dead: np.ndarray) -> np.ndarray:
-        """Move what fits of the live values (per class) out of the slabs, but for the `dead` ones; the mask of
-        those moved."""
-        moved = np.zeros(len(live), dtype=bool)
-        leaving = {h for h, _ in slabs}
-        by_class: dict[int, tuple[ClassInfo, list[int]]] = {}
-        for s, (_, info) in enumerate(slabs):
-            by_class.setdefault(info.cid, (info, []))[1].extend(np.flatnonzero((where == s) & ~dead).tolist())
-        for info, js in by_class.values():
-            if js:
-                moved[js] = self.relocator.relocate(info, [live[j] for j in js], [lengths[j] for j in js], leaving)
-        return moved
+            return rows, valid, none
+        _, by_parent = self.relations.stranded(rows, valid)
+        return rows, valid, valid & by_parent
 
     def _live_blocks(self, slabs):
         """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A length
-        its check refutes is -1: never copied (the copy would carry it with a new check), only evicted."""
+        its check refutes is -1 (counted in no evicted bytes)."""
         live, lengths, where = [], [], []
         unit = self.slabs.geo.unit_size
         for s, (h, info) in enumerate(slabs):

@@ -254,13 +254,6 @@ class Index:
         _replace_entry(self.mm, e, word, offset)
         return found
 
-    def repoint(self, shard: int, d: bytes, word: int, offset: int, new_word: int, new_offset: int) -> bool:
-        """If d's entry names (word, offset), point it at (new_word, new_offset); whether it did."""
-        found, pos = self._find_pos(shard, d)
-        if found == (word, offset):
-            _replace_entry(self.mm, self.entry_off(shard, pos), new_word, new_offset)
-        return found == (word, offset)
-
     def remove(self, shard: int, d: bytes, offset: int | None = None, word: int | None = None):
         """Remove the entry for d (only if it names offset/word when given); return (word, offset) or None."""
         found, pos = self._find_pos(shard, d)

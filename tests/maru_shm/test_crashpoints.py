@@ -180,7 +180,7 @@ def recover(pool_path: str, expected: dict, missing=(), sizes=(SIZE,), fresh: bo
 ALL_POINTS = [
     "put.after_alloc", "put.after_relations", "alloc.mid_reuse", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
     "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid", "evict.block_mid",
-    "slab.mid_move", "move.after_relocate", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "init.mid_header",
+    "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "init.mid_header",
     "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
     "lock.held.SHARD", "lock.held.SLOT",
 ]
@@ -519,58 +519,6 @@ def test_slab_mid_move(pool_path):
             assert s.put(k, v)
         assert s.stats()["evictions"] == 0, "the freed unit should have been reused, not more evictions"
         assert_recovered(s, dict(alive, **halves))
-
-
-def holey_pool(pool_path: str) -> tuple[dict, list[str]]:
-    """full_pool, then one BIG value deleted in each of four slabs: a slab leaving the class can take its
-    values to free blocks of the class elsewhere (relocation) instead of evicting them."""
-    expected = full_pool(pool_path)
-    with Store.open(pool_path) as s:
-        by_unit: dict[int, str] = {}
-        for k in expected:
-            by_unit.setdefault(s.index.find(key_digest(k))[1] // s.geo.unit_size, k)
-        gone = [by_unit[u] for u in sorted(by_unit)[-4:]]
-        for k in gone:
-            assert s.delete(k)
-    return {k: v for k, v in expected.items() if k not in gone}, gone
-
-
-def settle_after_relocation(pool_path: str, expected: dict, gone: list[str]) -> None:
-    """After a death mid-relocation: every value reads back; then HALF puts (the move again, taking the
-    CLASS and POOL locks the dead process held) evict nothing; nothing leaks and no lock stays dirty."""
-    with Store.open(pool_path) as s:
-        verify(s, expected, missing=gone + ["half"])
-        after = {f"half{i}": make_value(f"half{i}", 1, HALF) for i in range(3)}
-        for k, v in after.items():
-            assert s.put(k, v), k
-        assert s.stats()["evictions"] == 0, "the move relocates again instead of evicting"
-        assert_recovered(s, dict(expected, **after))
-
-
-def test_move_after_relocate(pool_path):
-    """A HALF put takes a slab of the BIG class, whose live values fit in its free blocks elsewhere: the
-    process dies with the copies LIVE and owned by it, before any entry points at them. Every value is
-    still read from its old block; reaping frees the copies; the CLASS locks' repairs settle the rest."""
-    expected, gone = holey_pool(pool_path)
-    run_child(pool_path, "move.after_relocate", """
-        s = Store.open(path)
-        s.put("half", make_value("half", 1, 32768))
-    """)
-    settle_after_relocation(pool_path, expected, gone)
-
-
-def test_index_mid_replace_of_a_relocated_value(pool_path):
-    """The process dies switching the first relocated value's entry to its copy: the entry has the copy's
-    offset and the old word. Shard repair restores it to the copy (LIVE, the value's digest, still owned
-    by the dead mover); the old blocks the move left unindexed are orphans that class repair frees."""
-    expected, gone = holey_pool(pool_path)
-    run_child(pool_path, "index.mid_replace", """
-        s = Store.open(path)
-        s.put("half", make_value("half", 1, 32768))
-    """)
-    torn = [k for k in expected if raw_entry(pool_path, k)[0] != raw_entry(pool_path, k)[2]]
-    assert len(torn) == 1, "the crash should have left one torn entry (the copy's offset, the old word)"
-    settle_after_relocation(pool_path, expected, gone)
 
 
 def test_slab_mid_format(pool_path):

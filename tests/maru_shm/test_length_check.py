@@ -149,37 +149,3 @@ def test_every_writer_of_a_length_writes_its_check(pool_path):
         assert s.get("many7") == b"d" * 2007
         assert_clean(s)
 
-
-def test_a_slab_move_never_copies_a_damaged_length(open_store):
-    """A slab move copies live values into free blocks of their class (relocation.py) and writes each copy's
-    meta afresh: a damaged length carried over would get a check that agrees with it. Such a value is
-    evicted with its slab instead; every other value reads back intact or misses."""
-    from maru_shm import chain_relations
-    from maru_shm.sizeclasses import geometric_sizes
-    s = open_store("16M")
-    sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
-    small = next(b for b in sizes if b >= 20 << 10)
-    other = next(b for b in sizes if b >= 40 << 10)
-    info = s.alloc.class_for(small)
-    n = s.geo.n_units // info.k * info.bps
-    keys = [f"a{i}" for i in range(n)]
-    for start in range(0, n, 16):
-        part = keys[start:start + 16]
-        bufs = [np.frombuffer(make_value(k, 1, small), dtype=np.uint8) for k in part]
-        assert all(s.batch_put_pieces(part, [[(b.ctypes.data, len(b))] for b in bufs],
-                                      relations=chain_relations(len(part), group=start + 1)))
-    for k in keys[::4]:
-        assert s.delete(k)
-    alive = [k for k in keys if k not in set(keys[::4])]
-    damaged = alive[::3]
-    low = (small & -small).bit_length() - 1
-    for k in damaged:
-        _flip(s, k, "length", low)  # shorter: inside the block, and what a copy would carry
-    for i in range(3):
-        assert s.put(f"b{i}", make_value(f"b{i}", 1, other))
-    assert s.stats()["slab_moves"] >= 1
-    for k in alive:
-        got = s.get(k)
-        assert got is None or got == make_value(k, 1, small), f"{k}: {len(got)} bytes, not its value"
-        if k in damaged:
-            assert got is None

@@ -21,8 +21,7 @@ def test_the_store_and_the_read_only_check_each_provide_every_member_of_the_allo
     from maru_shm.livecheck import _Pool
     from maru_shm.poolview import PoolView
     members = _protocol_members(AllocatorHost)
-    assert {"geo", "mm", "locks", "owner", "count", "slot_alive", "indexed_many", "unpublish_many",
-            "repoint_many"} <= members
+    assert {"geo", "mm", "locks", "owner", "count", "slot_alive", "indexed_many", "unpublish_many"} <= members
     with Store.open(pool_path, "16M", create=True) as s:
         assert isinstance(s.alloc.host, AllocatorServices)
         assert all(hasattr(s.alloc.host, m) for m in members)
@@ -57,9 +56,6 @@ class RecordingHost:
     def unpublish_many(self, halves, offsets, words):
         self.unpublished += len(offsets)
         return np.ones(len(offsets), dtype=bool)
-
-    def repoint_many(self, halves, offsets, words, new_offsets, new_words):
-        return np.zeros(len(offsets), dtype=bool)  # nothing is indexed: no entry to switch
 
 
 def test_the_allocator_needs_nothing_but_its_host(pool_path):

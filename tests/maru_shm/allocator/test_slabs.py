@@ -278,8 +278,8 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     b_size = next(b for b in sizes if b >= 200 * KiB)
     ia, n = _fill_one_class(s, a_size, "a")
     ib = s.alloc.class_for(b_size)
-    assert list(s.alloc.donors(ib).evict) == [ia.cid], "a class without a slab must get one"
-    assert not len(s.alloc.donors(ia).evict) and not len(s.alloc.donors(ia).relocate)
+    assert list(s.alloc.donors(ib)) == [ia.cid], "a class without a slab must get one"
+    assert not len(s.alloc.donors(ia))
     b_puts = written = 0
     while written < 4 * s.geo.data_bytes:
         kb = f"b{b_puts}"
@@ -300,17 +300,16 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
 
 def test_the_move_rule_balances_retention_with_a_margin(open_store):
     """`donors`: a class without a slab may take one from every class that has one. Otherwise, with
-    retention = slab units / decayed demand, class d may give class c a slab whose values all move to d's
-    free blocks if the shorter retention of the two after the move is at least 1 + RELOCATE_GAIN times c's
-    now; and any slab (evicting) only if d after giving keeps its values 1 + MOVE_MARGIN times as long as c
-    after taking. Neither makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
-    from maru_shm.allocator.demand import MOVE_MARGIN, RELOCATE_GAIN
+    retention = slab units / decayed demand, class d may give class c a slab only if d after giving keeps
+    its values 1 + MOVE_MARGIN times as long as c after taking. That never makes c a donor of d in turn. A
+    class whose demand has decayed to nothing gives."""
+    from maru_shm.allocator.demand import MOVE_MARGIN
     from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     ia, _ = _fill_one_class(s, next(b for b in sizes if b >= 100 * KiB), "a")
     ib = s.alloc.class_for(next(b for b in sizes if b >= 200 * KiB))
-    assert [list(x) for x in s.alloc.donors(ib)] == [[ia.cid], [ia.cid]]
+    assert list(s.alloc.donors(ib)) == [ia.cid]
     assert s.put("b0", make_value("b0", 1, ib.block))  # takes a window of A's slabs
     nslabs = s.alloc.cls_nslabs
     assert nslabs[ib.cid] == 1
@@ -321,18 +320,15 @@ def test_the_move_rule_balances_retention_with_a_margin(open_store):
         for info, value in ((ia, dem_a), (ib, dem_b)):
             U64.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND, int(value))
             U32.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND_EPOCH, epoch)
-        assert not len(s.alloc.donors(ia).relocate) and not len(s.alloc.donors(ia).evict), "B gave to A"
-        return [list(x) for x in s.alloc.donors(ib)]
+        assert not len(s.alloc.donors(ia)), "B gave to A"
+        return list(s.alloc.donors(ib))
 
-    assert donors_at(ua * 1000, ub * 1000) == [[], []]  # demand in proportion to the slabs
+    assert donors_at(ua * 1000, ub * 1000) == []  # demand in proportion to the slabs
     giver = (ua - ia.k) / (ua * 1000)  # A's retention after giving a slab
-    to_relocate = (1 + RELOCATE_GAIN) * ub / giver  # B's demand past which B's retention now is that short
-    to_evict = (1 + MOVE_MARGIN) * (ub + ib.k) / giver  # ... and past which B's after taking one is
-    assert donors_at(ua * 1000, to_relocate * 0.99) == [[], []]
-    assert donors_at(ua * 1000, to_relocate * 1.01) == [[ia.cid], []]
-    assert donors_at(ua * 1000, to_evict * 0.99) == [[ia.cid], []]
-    assert donors_at(ua * 1000, to_evict * 1.01) == [[ia.cid], [ia.cid]]
-    assert donors_at(0, 1) == [[ia.cid], [ia.cid]]  # A idle: it keeps its values for ever, and gives
+    to_move = (1 + MOVE_MARGIN) * (ub + ib.k) / giver  # B's demand past which B's retention after taking is short
+    assert donors_at(ua * 1000, to_move * 0.99) == []
+    assert donors_at(ua * 1000, to_move * 1.01) == [ia.cid]
+    assert donors_at(0, 1) == [ia.cid]  # A idle: it keeps its values for ever, and gives
     assert_clean(s)
 
 
@@ -742,7 +738,7 @@ def test_a_slab_move_cut_short_leaves_the_donor_class_dirty(open_store, monkeypa
     taker = s.alloc.class_for(200 * KiB)
     assert taker.cid != donor.cid and not s.alloc.class_slabs(taker.cid)
 
-    def interrupted(self, slabs, may_evict=True):
+    def interrupted(self, slabs):
         raise KeyboardInterrupt("inside the donor's eviction")
     monkeypatch.setattr(SlabMover, "evict_slabs", interrupted)
     with pytest.raises(KeyboardInterrupt):
