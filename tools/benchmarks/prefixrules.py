@@ -62,31 +62,14 @@ def _no_stranded_search():
     return [(BlockClock, "evict_blocks", evict_blocks), (Allocator, "reclaim_stranded", lambda self: 0)]
 
 
-def _no_relocation():
-    from maru_shm.allocator.demand import DemandPolicy, Donors
-    from maru_shm.allocator.slabmover import SlabMover
-    donors = DemandPolicy.donors
-
-    def only_evicting(self, info):
-        d = donors(self, info)
-        return Donors(np.zeros(0, dtype=np.int64), d.evict)
-    return [(DemandPolicy, "donors", only_evicting),
-            (SlabMover, "_relocate", lambda self, slabs, live, lengths, where, dead: np.zeros(len(live), dtype=bool))]
-
-
 def _no_retention():
     """A class with a slab evicts its own blocks (a move only into a class with none, or when it finds no
-    victim); relocating moves from any class, which take only slabs whose values fit elsewhere."""
-    from maru_shm.allocator.demand import DemandPolicy, Donors
+    victim)."""
+    from maru_shm.allocator.demand import DemandPolicy
 
     def donors(self, info):
         has = self.cls_nslabs > 0
-        if not has[info.cid]:
-            every = np.flatnonzero(has)
-            return Donors(every, every)
-        others = has.copy()
-        others[info.cid] = False
-        return Donors(np.flatnonzero(others), np.zeros(0, dtype=np.int64))
+        return np.flatnonzero(has) if not has[info.cid] else np.zeros(0, dtype=np.int64)
     return [(DemandPolicy, "donors", donors)]
 
 
@@ -98,7 +81,6 @@ RULES = {
     "birthdoom": _no_birth_doom,   # a segment written after its parent went is doomed at birth
     "stranded": _no_stranded_search,  # stranded values searched for before a move or CLOCK victim, and reclaimed
     "retention": _no_retention,    # slab moves balance the classes' retention
-    "relocation": _no_relocation,  # a slab move first moves its values to free blocks of their class
 }
 
 
