@@ -25,6 +25,7 @@ import struct
 import time
 import traceback
 import uuid
+import weakref
 
 import pytest
 
@@ -73,6 +74,22 @@ def value_version(key, data) -> int | None:
 def check_value(key, data) -> bool:
     """True if `data` is an intact value of `key` (any version)."""
     return value_version(key, data) is not None
+
+
+_FINALIZER = weakref.finalize.__call__.__code__
+
+
+def in_finalizer(frame) -> bool:
+    """Does `frame` run inside a weakref.finalize callback, one the garbage collector may start at any
+    allocation (locks.py's `_forget_thread_fd`)? Trace hooks that inject KeyboardInterrupt leave these
+    frames alone: an exception raised there never reaches the call (Python prints it and goes on), and on
+    CPython 3.11 a trace function that raises in a finalizer the collector runs corrupts the interpreter
+    (a segfault a few bytecodes later in the traced call)."""
+    while frame is not None:
+        if frame.f_code is _FINALIZER:
+            return True
+        frame = frame.f_back
+    return False
 
 
 # Tests with one instance per xdist worker that want all their instances running at once on one pool.

@@ -21,35 +21,21 @@ import maru_shm
 from maru_shm import Store, copyengine, locks, remove_pool
 from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
-from ..conftest import make_value, reserve, value_version
-from .test_locks import _a_lock_held_by_anyone
+from ..conftest import in_finalizer, make_value, reserve, value_version
+from .test_locks import _a_lock_held_by_anyone, _interrupt_at_line
 
 ROOT = os.path.dirname(maru_shm.__file__) + os.sep
 SIZES = (3000, 9000, 20000)
 KEYS = [f"k{i}" for i in range(40)]
 PAGES = [f"page{i}" for i in range(24)]
 FILL = [f"fill{i}" for i in range(90)]  # 20 KB or 6 KB each: with the rest, the pool is full
-_FINALIZER = weakref.finalize.__call__.__code__
-
-
-def _in_finalizer(frame) -> bool:
-    """Does `frame` run inside a weakref.finalize callback (one the garbage collector may start at any
-    allocation of the call, such as locks.py's `_forget_thread_fd`)?"""
-    while frame is not None:
-        if frame.f_code is _FINALIZER:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _tracer(n: int | None, stage: list, in_close: bool):
     """A trace function raising KeyboardInterrupt at the n-th line event inside maru_shm (never, for None),
     counting those of the close (once the workload appends to `stage`) if `in_close`, else the others; and
     the counts so far, [before the close, in the close]. Python unsets a trace function that raises.
-
-    Finalizers are not traced: an exception raised in one never reaches the call (Python prints it and
-    goes on), and on CPython 3.11 a trace function that raises in a finalizer the garbage collector runs
-    corrupts the interpreter (a segfault a few bytecodes later, in the traced call)."""
+    Finalizers are not traced (conftest.in_finalizer)."""
     seen = [0, 0]
 
     def local(frame, event, arg):
@@ -61,7 +47,7 @@ def _tracer(n: int | None, stage: list, in_close: bool):
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code.co_filename.startswith(ROOT) and not _in_finalizer(frame) else None
+        return local if frame.f_code.co_filename.startswith(ROOT) and not in_finalizer(frame) else None
     return calls, seen
 
 
@@ -276,24 +262,29 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, mo
         s.close()
 
 
-def test_the_tracer_never_interrupts_a_finalizer():
+def test_the_tracers_never_interrupt_a_finalizer():
     """The garbage collector may run a finalizer of maru_shm (a finished thread's lock description) at any
-    allocation of a traced call: the tracer neither counts nor interrupts its lines. Bug: it raised there,
-    and on CPython 3.11 that crashed the process (an xdist worker "not properly terminated")."""
+    allocation of a traced call: the tracers of these tests and of test_locks.py neither count nor
+    interrupt its lines. Bug: they raised there, and on CPython 3.11 that crashed the process (an xdist
+    worker "not properly terminated", in test_an_interrupt_at_each_line_of_a_put_then_close_detaches)."""
     class Thing:
         pass
-    thing, outer = Thing(), sys.gettrace()
-    finalizer = weakref.finalize(thing, locks._forget_thread_fd, weakref.ref(Thing()), -1)  # a table gone
-    tracer, seen = _tracer(1, [], False)
-    interrupted = None
-    sys.settrace(tracer)
-    try:
-        finalizer()
-    except KeyboardInterrupt as e:
-        interrupted = str(e)
-    finally:
-        sys.settrace(outer)
-    assert interrupted is None and seen == [0, 0], (interrupted, seen)
+    outer, seen_locks, results = sys.gettrace(), [0], []
+    tracers = {"_tracer": _tracer(1, [], False),
+               "_interrupt_at_line": (_interrupt_at_line(1, locks.__file__, seen_locks), seen_locks)}
+    for name, (tracer, seen) in tracers.items():
+        thing = Thing()
+        finalizer = weakref.finalize(thing, locks._forget_thread_fd, weakref.ref(Thing()), -1)  # table gone
+        interrupted = None
+        sys.settrace(tracer)
+        try:
+            finalizer()
+        except KeyboardInterrupt as e:
+            interrupted = str(e)
+        finally:
+            sys.settrace(outer)
+        results.append((name, finalizer.alive, interrupted, sum(seen)))
+    assert results == [("_tracer", False, None, 0), ("_interrupt_at_line", False, None, 0)], results
 
 
 def test_check_reports_blocks_this_process_owns_but_holds_nowhere(open_store, pool_path):

@@ -19,7 +19,7 @@ from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS
 from maru_shm.index import key_digest
 from maru_shm.lockfile import lock_file_path
 
-from ..conftest import assert_clean, reserve, value_version
+from ..conftest import assert_clean, in_finalizer, reserve, value_version
 
 TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
@@ -615,7 +615,7 @@ def _a_lock_held_by_anyone(path) -> str | None:
 def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, seen: list | None = None):
     """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_file` (as a
     SIGINT would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a
-    trace function that raises: one interrupt."""
+    trace function that raises: one interrupt. Finalizers are not traced (conftest.in_finalizer)."""
     seen = [0] if seen is None else seen
 
     def local(frame, event, arg):
@@ -626,7 +626,7 @@ def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, see
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code.co_filename == module_file else None
+        return local if frame.f_code.co_filename == module_file and not in_finalizer(frame) else None
     return calls
 
 
