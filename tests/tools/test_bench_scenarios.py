@@ -1,4 +1,4 @@
-"""The eviction and scaling scenarios of `maru-shm bench`, the charts, --json and the progress line.
+"""The eviction, mixshift and scaling scenarios of `maru-shm bench`, the charts, --json and the progress line.
 
 Everything runs at a tiny size. Nothing here asserts a timing or a hit ratio
 against a goal: only the structure of the results, that the figures are
@@ -18,6 +18,7 @@ import pytest
 
 from tools.benchmarks import runner as bench
 from tools.benchmarks.eviction import LRU, clock_hits, eviction, key_sizes, lru_hits, random_hits, zipf_trace
+from tools.benchmarks.mixshift import mixshift, shift_trace
 from tools.benchmarks.scaling import scaling, verdict
 
 FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
@@ -110,6 +111,24 @@ def test_eviction_structure_and_sanity(eviction_result):
         w = p["windows"]
         assert w is not None and w["evictions"] > 0 and 0 <= w["referenced_share"] <= 1
     assert not any(f.startswith(EVICT_TAG) for f in os.listdir("/dev/shm"))
+
+
+# --------------------------------------------------------------------------- mixshift, tiny
+def test_shift_trace_fills_with_a_then_alternates():
+    t = shift_trace(50, 20, fill=100, shift=60, seed=3)
+    assert len(t) == 160 and (t[:100] < 50).all()
+    assert (t[100::2] < 50).all() and (t[101::2] >= 50).all() and (t[101::2] < 70).all()
+
+
+def test_mixshift_structure_and_sanity():
+    tag = f"maru-test-mixshift-{uuid.uuid4().hex[:8]}"
+    r = mixshift(16 << 20, n_a=300, n_b=100, fill=1500, shift=3000, path_prefix=f"/dev/shm/{tag}")
+    assert r["measured_requests"] == 1500
+    for name in ("default", "no_moves", "lru"):
+        assert 0.0 <= r[name]["a_hit_ratio"] <= 1.0 and 0.0 <= r[name]["b_hit_ratio"] <= 1.0, r[name]
+    for name in ("default", "no_moves"):
+        assert r[name]["check_ok"] and r[name]["evictions"] > 0 and 0.0 < r[name]["b_slab_share"] < 1.0
+    assert not any(f.startswith(tag) for f in os.listdir("/dev/shm"))
 
 
 # --------------------------------------------------------------------------- scaling, tiny

@@ -15,6 +15,10 @@ Scenarios (all by default; pick with --only):
   eviction  a seeded Zipf(0.9) get-or-put trace over keys of 50-512 KiB at
             three pool sizes: hit ratio vs exact LRU given the pool's data
             bytes (and given the live bytes the store held), same trace.
+  mixshift  a second value size starting on a pool full of the first (a
+            second model beside a first): each size's hit ratio, vs the same
+            store without slab moves between classes that hold slabs, and
+            exact LRU.
   prefixtree  an SGLang-like conversation trace (shared system prompts, turns,
             Zipf returns) of 128 KiB page chains through MaruStorage, replayed
             directly and through per-instance host caches with sticky routing,
@@ -50,13 +54,14 @@ import os
 import sys
 import time
 
-from . import capacity, datapath, e2e, eviction, hybrid, lookup, mixed, ops, prefixbounds, prefixtree, scaling, tier2
+from . import (capacity, datapath, e2e, eviction, hybrid, lookup, mixed, mixshift, ops, prefixbounds, prefixtree, scaling,
+               tier2)
 from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
-SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, prefixtree, prefixbounds, scaling,
-                    tier2, e2e)
+SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, mixshift, prefixtree, prefixbounds,
+                    scaling, tier2, e2e)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
