@@ -19,6 +19,7 @@ import pytest
 from tools.benchmarks import runner as bench
 from tools.benchmarks.eviction import LRU, clock_hits, eviction, key_sizes, lru_hits, random_hits, zipf_trace
 from tools.benchmarks.mixshift import mixshift, shift_trace
+from tools.benchmarks.report import render
 from tools.benchmarks.scaling import scaling, verdict
 
 FIGURE_KEYS = {"name", "unit", "ours", "spread", "peer", "peer_name", "peer_spread", "ratio", "better", "goal", "met"}
@@ -129,6 +130,8 @@ def test_mixshift_structure_and_sanity():
     for name in ("default", "no_moves"):
         assert r[name]["check_ok"] and r[name]["evictions"] > 0 and 0.0 < r[name]["b_slab_share"] < 1.0
     assert not any(f.startswith(tag) for f in os.listdir("/dev/shm"))
+    text = render([{"scenario": "mixshift", **r}]).splitlines()
+    assert len(text) == 4 and all(line.startswith("mixshift") for line in text)
 
 
 # --------------------------------------------------------------------------- scaling, tiny

@@ -79,7 +79,21 @@ def render(results: list[dict]) -> str:
             lines += render_scaling(r)
         elif r["scenario"] == "e2e":
             lines += render_e2e(r)
+        elif r["scenario"] == "mixshift":
+            lines += render_mixshift(r)
     return "\n".join(lines)
+
+
+def render_mixshift(r: dict) -> list[str]:
+    a, b = (format_size(n) for n in r["value_sizes"])
+    lines = [f"mixshift  {b} values start on a {format_size(r['pool_bytes'])} pool full of {a} ones, asked in turn "
+             f"(Zipf, {r['measured_requests']:,} requests measured): hit ratio {b} / {a}"]
+    for name, what in (("default", "default"), ("no_moves", "no slab moves"), ("lru", "exact LRU")):
+        x = r[name]
+        share = x.get("b_slab_share", x.get("b_byte_share"))
+        lines.append(f"mixshift  {what:14} {x['b_hit_ratio']:.3f} / {x['a_hit_ratio']:.3f}; {b} share of the "
+                     f"pool {share:.3f}" + (f", {x['slab_moves']:,} slab moves" if "slab_moves" in x else ""))
+    return lines
 
 
 def _met(m) -> str:
