@@ -167,9 +167,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    """Tests marked slow run only when asked for (`-m slow`)."""
+    """Tests marked slow run only when asked for (`-m slow`). Every test starts with pytest's faulthandler
+    installed again (`_reinstall_faulthandler`)."""
     if item.get_closest_marker("slow") and "slow" not in (item.config.getoption("markexpr") or ""):
         pytest.skip("slow: run with -m slow")
+    _reinstall_faulthandler(item.config)
+
+
+def _reinstall_faulthandler(config) -> None:
+    """A native library SGLang imports (libtvm_ffi) installs its own SIGSEGV handler over faulthandler's,
+    and prints through fd 2, which pytest captures during a test: a crashed xdist worker then says only
+    "Not properly terminated". faulthandler.enable() alone keeps a replaced handler (it is still "enabled"),
+    so disable first, then enable on the stderr descriptor pytest's faulthandler plugin keeps."""
+    import faulthandler
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+        fd = config.stash[fault_handler_stderr_fd_key]
+    except (ImportError, KeyError):  # another pytest, or `-p no:faulthandler`
+        return
+    faulthandler.disable()
+    faulthandler.enable(file=fd)
 
 
 @pytest.fixture
