@@ -56,7 +56,8 @@ class Guarded:
 _ranges: tuple = ()          # of Guarded; replaced whole (never mutated) so the handler reads it lock-free
 _lock = guard()  # serialises register/unregister and installation
 _previous = _SigAction()
-_installed = False
+_previous_set = False  # the handler has been installed once (`_previous` holds what it replaced)
+_DEFAULT = None  # sa_handler of the default action (SIG_DFL), as ctypes reads a NULL c_void_p
 
 
 def _on_sigbus(signo, info, context):
@@ -75,13 +76,22 @@ _handler = _HANDLER(_on_sigbus)  # kept alive for the life of the process
 
 
 def _install() -> None:
-    global _installed
+    """Make the handler SIGBUS's action the first time, and again whenever the action has been reset to the
+    default since (`signal.signal(SIGBUS, SIG_DFL)`, or faulthandler.disable() where faulthandler was enabled
+    before us): a guarded mapping must never meet the default. Any other action is left alone: it may be a
+    handler that chains to ours, and chaining back to it would loop."""
+    global _previous_set
+    current = _SigAction()
+    if _previous_set and (_libc.sigaction(signal.SIGBUS, None, ctypes.byref(current)) != 0
+                          or current.sa_handler != _DEFAULT):
+        return
+    ours = ctypes.cast(_handler, ctypes.c_void_p).value
     act = _SigAction()
-    act.sa_handler = ctypes.cast(_handler, ctypes.c_void_p).value
+    act.sa_handler = ours
     act.sa_flags = SA_SIGINFO | SA_ONSTACK
     if _libc.sigaction(signal.SIGBUS, ctypes.byref(act), ctypes.byref(_previous)) != 0:
         raise OSError(ctypes.get_errno(), "sigaction(SIGBUS) failed")
-    _installed = True
+    _previous_set = True
 
 
 def register(start: int, length: int) -> Guarded:
@@ -89,8 +99,7 @@ def register(start: int, length: int) -> Guarded:
     global _ranges
     g = Guarded(start, start + length)
     with _lock:
-        if not _installed:
-            _install()
+        _install()
         _ranges = _ranges + (g,)
     return g
 

@@ -178,15 +178,22 @@ def _reinstall_faulthandler(config) -> None:
     """A native library SGLang imports (libtvm_ffi) installs its own SIGSEGV handler over faulthandler's,
     and prints through fd 2, which pytest captures during a test: a crashed xdist worker then says only
     "Not properly terminated". faulthandler.enable() alone keeps a replaced handler (it is still "enabled"),
-    so disable first, then enable on the stderr descriptor pytest's faulthandler plugin keeps."""
+    so disable first, then enable on the stderr descriptor pytest's faulthandler plugin keeps. SIGBUS keeps
+    the action it had: disabling would drop maru_shm's fault guard (faultguard.py), which chains to it."""
+    import ctypes
     import faulthandler
+
+    from maru_shm import faultguard
     try:
         from _pytest.faulthandler import fault_handler_stderr_fd_key
         fd = config.stash[fault_handler_stderr_fd_key]
     except (ImportError, KeyError):  # another pytest, or `-p no:faulthandler`
         return
+    bus = faultguard._SigAction()
+    faultguard._libc.sigaction(signal.SIGBUS, None, ctypes.byref(bus))
     faulthandler.disable()
     faulthandler.enable(file=fd)
+    faultguard._libc.sigaction(signal.SIGBUS, ctypes.byref(bus), None)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from maru_shm import PoolClosedError, Store, StoreError
+from maru_shm import PoolClosedError, Store, StoreError, remove_pool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -161,6 +161,32 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
     assert "outcome damaged" in out, out
     batches, threaded = map(int, out.split()[3::2])
     assert threaded > batches, out  # puts and gets on the workers, the one the truncation met included
+
+
+def test_a_guard_reset_to_the_default_action_is_installed_again_by_the_next_open(pool_path):
+    """Another library may reset SIGBUS to its default after the first store installed the guard
+    (`signal.signal`, or faulthandler.disable() where faulthandler was enabled first). The next open installs
+    it again: a truncation under that store is an error, not the death of the process."""
+    try:
+        out = run_py("""
+            import os, signal, sys
+            from maru_shm import Store, PoolDamagedError
+            first = Store.open(sys.argv[1] + ".first", "8M", create=True)
+            signal.signal(signal.SIGBUS, signal.SIG_DFL)
+            s = Store.open(sys.argv[1], "32M", create=True)
+            for i in range(16):
+                assert s.put(f"k{i}", bytes([i]) * 200_000)
+            os.truncate(sys.argv[1], 0)
+            try:
+                s.get_into("k3", bytearray(200_000))
+            except PoolDamagedError:
+                print("an error")
+            s.close()
+            first.close()
+        """, pool_path)
+    finally:
+        remove_pool(pool_path + ".first")
+    assert "an error" in out
 
 
 def test_a_sigbus_outside_any_pool_still_reaches_the_process(pool_path):
