@@ -304,8 +304,8 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
 def test_the_move_rule_balances_retention_with_a_margin(open_store):
     """`donors`: a class without a slab may take one from every class that has one. Otherwise, with
     retention = slab units / decayed demand, class d may give class c a slab only if d after giving a
-    window of c's k units keeps its values 1 + MOVE_MARGIN times as long as c after taking. That never makes c a donor of d in turn. A
-    class whose demand has decayed to nothing gives."""
+    window of c's k units keeps its values 1 + MOVE_MARGIN times as long as c after taking. That never
+    makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
     from maru_shm.allocator.demand import MOVE_MARGIN
     from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
