@@ -315,18 +315,20 @@ class MaruStorage(HiCacheStorage):
             pass
 
     def get_stats(self):
-        """SGLang StorageMetrics (drained per call) with a `maru` dict: hits, misses, bytes, evictions."""
+        """SGLang StorageMetrics (drained per call) with a `maru` dict: hits, misses, bytes, pool evictions.
+
+        SGLang calls this on its scheduler thread once per step, so it reads counters only: the pool-wide
+        figures that scan the pool (entries, utilization) are `maru-shm inspect`'s."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
         m = StorageMetrics()
         mine = self.local.drain(m)
         try:  # called from the scheduler loop: never raise into it
             store = self.pool.store  # None before the pool is attached and after close()
-            pool = store.stats() if store is not None else {}
+            pool = store.counts() if store is not None else {}
         except Exception as e:
             self.log_once("get_stats", e)
             pool = {}
-        mine.update({"evictions": pool.get("evictions", 0), "pool_entries": pool.get("entries", 0),
-                     "pool_utilization": pool.get("utilization", 0.0), "page_bytes": self.page_bytes,
+        mine.update({"evictions": pool.get("evictions", 0), "page_bytes": self.page_bytes,
                      "pools": self.hybrid.stats(), "pool": self.pool.stats()})
         if self.tier2 is not None:
             mine["tier2"] = self.tier2.stats()

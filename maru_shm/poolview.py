@@ -30,7 +30,7 @@ from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNT
                      ENTRY_WORD_OFF, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
                      LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
                      MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
+                     PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
                      SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
 from .lockfile import open_for_reading
@@ -387,10 +387,15 @@ def dirty_locks(src) -> list[dict]:
 
 
 def _counters(v: PoolView, procs: list[dict]) -> dict:
+    return _totals(v, [[p["counters"][name] for name in COUNTER_NAMES] for p in procs])
+
+
+def _totals(v: PoolView, per_slot: list) -> dict:
+    """The retired totals plus each claimed slot's counters (lists in COUNTER_NAMES order), and `heals`."""
     total = list(COUNTERS.unpack_from(v.mm, RETIRED_OFF))
-    for p in procs:
-        for i, name in enumerate(COUNTER_NAMES):
-            total[i] += p["counters"][name]
+    for values in per_slot:
+        for i, x in enumerate(values):
+            total[i] += x
     out = dict(zip(COUNTER_NAMES, (t & (2**64 - 1) for t in total)))
     out["heals"] = int(np.frombuffer(v.mm, dtype="<u8", count=1, offset=HEALS_OFF)[0])  # one 8-byte load
     return out
@@ -398,9 +403,17 @@ def _counters(v: PoolView, procs: list[dict]) -> dict:
 
 @_intact
 def counters(src) -> dict:
-    """Pool-wide counters: retired totals plus every claimed slot's own, and the pool's `heals`."""
+    """Pool-wide counters: retired totals plus every claimed slot's own, and the pool's `heals`. It reads the
+    slots' counters alone (no liveness probe, no scan of the pool), so a serving loop may ask on every step:
+    SGLang calls the backend's get_stats() once per scheduler step."""
     v = _as_view(src)
-    return _counters(v, _processes(v))
+    g = v.geo
+    table = np.ndarray((g.proc_slots,), dtype=PROC_LAYOUT, buffer=v.mm, offset=g.off_procs)
+    try:
+        claimed = table["counters"][table["state"] != 0].tolist()  # a copy: no view outlives the call
+    finally:
+        del table
+    return _totals(v, claimed)
 
 
 def _space(snap: _Snapshot) -> dict:

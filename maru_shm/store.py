@@ -41,7 +41,7 @@ from .guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
 from .pieces import Pieces, buffer_address, writable_bytes
 from .poolfile import PoolFile, ensure_backed, open_pool_file
-from .poolview import pool_stats
+from .poolview import counters as pool_counters, pool_stats
 from .proctable import ProcessTable
 from .publish import Publisher
 from .readpath import ReadPath
@@ -188,17 +188,13 @@ class Store:
         (smallest block, default 4 KiB), unit_size (slab unit, default 256 KiB), max_value, index_slots,
         index_shards, proc_slots, and value_size: the smallest value the pool is for (a KV page), from which
         the granule and the index are sized unless given, so such values are stored without padding and fill
-        the data area before the index (format.Geometry.plan). `geo.shortfalls(n)` tells whether an existing
-        pool holds n-byte values that way.
+        the data area before the index (format.Geometry.plan; `geo.shortfalls(n)` checks an existing pool).
 
-        populate=True backs the whole pool with memory now (fallocate on a
-        regular file) and pre-faults this process's mapping, so the first write
-        to each page does not pay for a page fault; it costs the full pool size
-        in RAM up front, which is what a KV-cache tier wants anyway.
+        populate=True backs the whole pool with memory now (fallocate on a regular file) and pre-faults this
+        process's mapping, so no write pays a page fault; it costs the pool's size in RAM up front.
 
-        copy_threads: threads that copy one batch's values (the caller's included), on cores other
-        processes leave idle; default copyengine.default_threads() (every core, at most 4). 1: the
-        calling thread alone.
+        copy_threads: threads that copy one batch (the caller's included), on cores that nothing but their
+        copying keeps busy (idlecores.py); default: every core, at most 4; 1: the calling thread alone.
         """
         timeout = check_timeout(timeout)
         copy_threads = check_threads(copy_threads)
@@ -564,6 +560,12 @@ class Store:
     def check(self, repair: bool = False):
         """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
         return check_store(self, repair=repair)
+
+    @_entry
+    def counts(self) -> dict:
+        """stats()'s counters alone (hits, misses, puts, evictions, ...): no scan, for every step of a loop."""
+        self.counters.flush()
+        return pool_counters(self)
 
     @_entry
     def stats(self) -> dict:

@@ -187,3 +187,13 @@ def test_get_stats_returns_storage_metrics_with_maru_figures(mha_llama):
     drained = backend.get_stats()  # SGLang logs per call: the per-operation lists are drained
     assert drained.prefetch_pgs == [] and drained.backup_pgs == []
     assert drained.maru["hits"] == 4  # the running totals are not
+
+
+def test_get_stats_reads_counters_and_never_scans_the_pool(mha_llama, monkeypatch):
+    """SGLang calls get_stats() on its scheduler thread once per step (UnifiedRadixCache.check_hicache_events):
+    a scan of the pool there (Store.stats(), tens of milliseconds on a GiB pool) slowed every step."""
+    host, backend = mha_llama
+    assert backend.batch_set_v1(prompt_keys(2, "scan"), page_indices(host, 0, 2)) == [True] * 2
+    monkeypatch.setattr(Store, "stats", lambda self: pytest.fail("get_stats() scanned the pool"))
+    m = backend.get_stats()
+    assert m.maru["sets"] == 2 and m.maru["evictions"] == 0

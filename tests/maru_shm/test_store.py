@@ -236,6 +236,8 @@ def test_stats_keys_and_counts(store):
     assert st["hits"] == 2 and st["misses"] == 1
     assert 0 < st["load_factor"] < 1 and st["probe_mean"] >= 1 and st["probe_max"] >= 1
     assert st["evictions"] == 0
+    counts = store.counts()  # the counters alone, without the scan of the pool
+    assert counts == {k: st[k] for k in counts} and {"hits", "misses", "puts", "evictions", "heals"} <= counts.keys()
 
 
 def test_check_clean_after_mixed_use(store):
@@ -267,7 +269,7 @@ def test_closed_store_refuses_everything(open_store):
     calls = [lambda: s.put("k", b"v"), lambda: s.get("k"), lambda: s.get_into("k", bytearray(8)),
              lambda: s.exists("k"), lambda: s.delete("k"), lambda: s.batch_put(["k"], [b"v"]),
              lambda: s.batch_get_into(["k"], [bytearray(8)]), lambda: s.batch_exists(["k"]),
-             lambda: s.put_pieces("k", []), lambda: s.get_pieces("k", []), lambda: s.stats(),
+             lambda: s.put_pieces("k", []), lambda: s.get_pieces("k", []), lambda: s.stats(), lambda: s.counts(),
              lambda: s.check(), lambda: s.declare_size(8192)]
     for call in calls:
         with pytest.raises(PoolClosedError):
