@@ -11,7 +11,8 @@ The rules (FORMAT.md section 8 relies on the first two):
   caller's commit (put) or word re-check (get) follows the whole copy. The same holds when it raises:
   an exception in the caller (Ctrl-C) is held until every worker that joined the batch has finished,
   since the caller gives the batch's blocks back next.
-- Workers are used only on cores other processes leave idle (idlecores.py decides; the engine copies).
+- Workers are used only on cores nothing but the engine's own copying keeps busy (idlecores.py decides;
+  the engine copies and counts the CPU time it spends copying, `copy_seconds`).
   Every thread, the caller's included, takes the next piece from one shared iterator, so a worker that
   is not running takes nothing and the caller copies what is left. A batch in which the workers helped
   little twice in a row (a CPU quota the kernel's counters do not show) runs the next BACKOFF batches alone: a busy
@@ -25,6 +26,7 @@ import ctypes
 import os
 import queue
 import threading
+import time
 
 import numpy as np
 
@@ -94,13 +96,14 @@ class _Job:
     set `closed`, every worker that may still copy is in `joined`.
     """
 
-    __slots__ = ("pieces", "closed", "joined", "finished", "bell")
+    __slots__ = ("pieces", "closed", "joined", "finished", "seconds", "bell")
 
     def __init__(self, pieces):
         self.pieces = pieces
         self.closed = False  # set by the caller once the iterator is empty: a late worker stays out
         self.joined: list[int] = []  # one entry per worker that joined
         self.finished: list[int] = []  # pieces copied, one entry per worker that joined and is done
+        self.seconds: list[float] = []  # CPU seconds each worker spent copying
         self.bell: queue.SimpleQueue = queue.SimpleQueue()  # rung by each worker that is done
 
     def in_flight(self) -> int:
@@ -147,10 +150,11 @@ def _worker(inbox: queue.SimpleQueue) -> None:
         if job.closed:
             job.finished.append(0)
             continue
-        n = 0
+        n, t0 = 0, time.thread_time()
         try:
             n = _copy_all(job.pieces)
         finally:
+            job.seconds.append(time.thread_time() - t0)  # before `finished`: the caller sums them once all are in
             job.finished.append(n)
             job.bell.put(None)
 
@@ -167,7 +171,8 @@ class CopyEngine:
         self._idle_workers = 0  # threaded batches in a row in which the workers barely helped
         self._use = threading.Lock()  # held by the batch that uses the workers
         self._job: _Job | None = None  # the last batch given to the workers
-        self.cores = IdleCores()
+        self.copy_seconds = 0.0  # CPU seconds spent copying large batches, by every thread (idlecores.py)
+        self.cores = IdleCores(lambda: self.copy_seconds)
         self.batches_threaded = 0
         self.batches_alone = 0
 
@@ -210,7 +215,14 @@ class CopyEngine:
             raise
         if self.threads > 1:
             self.batches_alone += 1
+        t0 = time.thread_time()
         _copy_all(jobs)
+        self._copied(time.thread_time() - t0)
+
+    def _copied(self, seconds: float) -> None:
+        # Concurrent batches (SGLang's threads) may lose an update here: the copying then counts as other
+        # work, and idlecores gives fewer workers, never more.
+        self.copy_seconds += seconds
 
     def _threaded(self, pieces, helpers: int) -> None:
         job = self._job = _Job(pieces)
@@ -220,11 +232,14 @@ class CopyEngine:
         try:
             for inbox in self._workers()[:helpers]:
                 inbox.put(job)
+            t0 = time.thread_time()
             mine = _copy_all(pieces)
+            t0 = time.thread_time() - t0
             job.close_and_wait()
         except BaseException:
             job.close_and_wait()
             raise
+        self._copied(t0 + sum(job.seconds))
         helped = sum(job.finished)
         self.batches_threaded += 1
         if started:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_shm import copyengine, copyplan
+from maru_shm import copyengine, copyplan, idlecores
 from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
 from maru_shm.idlecores import IdleCores
 
@@ -158,6 +158,44 @@ def test_idle_cores_stay_within_the_affinity():
     cores._at -= 1.0  # the next call reads /proc/stat again
     second = cores.free()
     assert 1 <= first <= cores.allowed and 1 <= second <= cores.allowed
+
+
+def test_idle_cores_count_everything_but_the_engines_copying_as_busy(monkeypatch):
+    """Busy time of the allowed cores counts against the workers, this process's own included (an SGLang
+    scheduler's model forward keeps its cores busy, and a copy thread there stalls its OpenMP team); only
+    the CPU time the engine spent copying does not."""
+    busy, copied = [100.0], [0.0]
+    monkeypatch.setattr(idlecores, "_busy_seconds", lambda cpus: busy[0])
+    monkeypatch.setattr(idlecores, "_allowed", lambda: frozenset(range(4)))
+    cores = IdleCores(lambda: copied[0])
+    assert cores.free() == 4  # the first reading only takes a baseline
+
+    def window(busy_cores: float, copying_cores: float) -> int:
+        cores._at -= 1.0  # one second later
+        busy[0] += busy_cores
+        copied[0] += copying_cores
+        return cores.free()
+
+    assert window(3.0, 2.0) == 3, "two of the three busy cores were our copies"
+    assert window(3.0, 0.0) == 1, "three cores busy with anything else leave one"
+    assert window(0.0, 0.0) == 4
+
+
+def test_busy_seconds_read_only_the_allowed_cores():
+    allowed = frozenset(os.sched_getaffinity(0))
+    assert idlecores._busy_seconds(allowed) > 0
+    assert idlecores._busy_seconds(frozenset({10 ** 6})) is None  # no such core: nothing to say
+
+
+def test_the_engine_counts_its_copying_time():
+    src, dst = _buffers(4 << 20, seed=8)
+    d_off, s_off, nb = _scattered_plan(4 << 20, 1 << 20, seed=8)
+    alone = CopyEngine(2)
+    alone.cores.free = lambda: 1  # the caller copies by itself
+    for engine in (_always_free(CopyEngine(2)), alone):
+        engine.run(dst.ctypes.data + 4096 + d_off, src.ctypes.data + s_off, nb)
+        assert engine.copy_seconds > 0
+        engine.close()
 
 
 @pytest.mark.parametrize("threads", [1, 3])
