@@ -42,9 +42,9 @@ once per cause and reported as misses / False.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import threading
 import time
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
@@ -59,6 +59,7 @@ from maru_shm import Store, format_size, prefixed_digests
 from .localtier import LocalTier, LogOnce
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
+from .sync import Mutex, taken
 
 logger = logging.getLogger("maru_sglang")
 
@@ -107,8 +108,9 @@ class HybridPools:
         self._declare = declare
         self._log_once = log_once
         self.pools: Dict[str, PoolSpec] = {}  # extra host pools of hybrid models, by name
-        self._stats: Dict[str, dict] = {}
-        self._lock = threading.Lock()
+        self._calls: collections.deque = collections.deque()  # one record per transfer, appended without a lock
+        self._stats: Dict[str, dict] = {}  # stats() folds the records into these
+        self._lock = Mutex("the v2 pools' figures")
 
     # ------------------------------------------------------------------ registration
     def describe(self, host_pool, name) -> PoolSpec:
@@ -333,24 +335,25 @@ class HybridPools:
 
     # ------------------------------------------------------------------ figures
     def _account(self, spec: PoolSpec, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
-        ok = sum(res)
-        with self._lock:
-            s = self._stats.setdefault(spec.name, {"page_bytes": spec.page_bytes, "hits": 0, "misses": 0,
-                                                   "bytes_read": 0, "sets": 0, "set_skipped": 0,
-                                                   "set_failed": 0, "bytes_written": 0, "seconds": 0.0})
-            s["seconds"] += time.perf_counter() - t0
-            if read:
-                s["hits"] += ok
-                s["misses"] += len(res) - ok
-                s["bytes_read"] += ok * spec.page_bytes
-            else:
-                s["sets"] += written
-                s["set_skipped"] += ok - written
-                s["set_failed"] += len(res) - ok
-                s["bytes_written"] += written * spec.page_bytes
+        """Count one transfer: a record appended, without waiting for anything (sync.py)."""
+        self._calls.append((spec.name, spec.page_bytes, read, sum(res), len(res), written, time.perf_counter() - t0))
 
     def stats(self) -> dict:
         with self._lock:
+            for name, page, read, ok, n, written, seconds in taken(self._calls):
+                s = self._stats.setdefault(name, {"page_bytes": page, "hits": 0, "misses": 0, "bytes_read": 0,
+                                                  "sets": 0, "set_skipped": 0, "set_failed": 0, "bytes_written": 0,
+                                                  "seconds": 0.0})
+                s["seconds"] += seconds
+                if read:
+                    s["hits"] += ok
+                    s["misses"] += n - ok
+                    s["bytes_read"] += ok * page
+                else:
+                    s["sets"] += written
+                    s["set_skipped"] += ok - written
+                    s["set_failed"] += n - ok
+                    s["bytes_written"] += written * page
             return {name: dict(s) for name, s in self._stats.items()}
 
 

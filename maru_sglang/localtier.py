@@ -9,7 +9,7 @@ just loaded, stored here) is counted by the caller, not as a set.
 
 from __future__ import annotations
 
-import threading
+import collections
 import time
 from typing import Callable, List
 
@@ -20,6 +20,7 @@ from maru_shm import Store
 
 from .namespace import KeySpace
 from .pages import check_host_indices, page_pieces, store_pages
+from .sync import Mutex, taken
 
 LogOnce = Callable[[str, BaseException], None]
 
@@ -40,13 +41,10 @@ class LocalTier:
         self.host_pool = None
         self.page_bytes: int | None = None
         self.pieces_per_page = 0
-        self._lock = threading.Lock()
+        self._calls: collections.deque = collections.deque()  # one record per call, appended without a lock
+        self._lock = Mutex("LocalTier's figures")  # drain() folds the records into these
         self.stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
                       "set_failed": 0}
-        self.prefetch_pgs: list[int] = []
-        self.backup_pgs: list[int] = []
-        self.prefetch_bw: list[float] = []
-        self.backup_bw: list[float] = []
 
     def bind(self, host_pool, page_bytes: int, pieces_per_page: int) -> None:
         """The registered KV host pool and its page: `pieces_per_page` pieces, `page_bytes` in all."""
@@ -169,37 +167,32 @@ class LocalTier:
 
     # ------------------------------------------------------------ counts
     def account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
-        """Count one call of SGLang's (v1 or legacy) that began at perf_counter() `t0`."""
+        """Count one call of SGLang's (v1 or legacy) that began at perf_counter() `t0`: a record appended, which
+        the storage thread does without waiting for anything (sync.py)."""
         ok = sum(res)
         dt = max(time.perf_counter() - t0, 1e-9)
         gb = (ok if read else written) * (self.page_bytes or 0) / 1e9
-        with self._lock:
-            if read:
-                self.stats["hits"] += ok
-                self.stats["misses"] += len(res) - ok
-                self.stats["bytes_read"] += ok * (self.page_bytes or 0)
-                self.prefetch_pgs.append(ok)
-                self.prefetch_bw.append(gb / dt)
-            else:
-                self.stats["sets"] += written
-                self.stats["set_skipped"] += ok - written
-                self.stats["set_failed"] += len(res) - ok
-                self.stats["bytes_written"] += written * (self.page_bytes or 0)
-                self.backup_pgs.append(ok)
-                self.backup_bw.append(gb / dt)
+        self._calls.append((read, ok, len(res), written, gb / dt))
 
     def drain(self, metrics) -> dict:
         """Move the per-call figures into SGLang's StorageMetrics `metrics`; the running totals."""
+        page, s = self.page_bytes or 0, self.stats
         with self._lock:
-            metrics.prefetch_pgs.extend(self.prefetch_pgs)
-            metrics.backup_pgs.extend(self.backup_pgs)
-            metrics.prefetch_bandwidth.extend(self.prefetch_bw)
-            metrics.backup_bandwidth.extend(self.backup_bw)
-            self.prefetch_pgs.clear()
-            self.backup_pgs.clear()
-            self.prefetch_bw.clear()
-            self.backup_bw.clear()
-            return dict(self.stats)
+            for read, ok, n, written, bw in taken(self._calls):
+                if read:
+                    s["hits"] += ok
+                    s["misses"] += n - ok
+                    s["bytes_read"] += ok * page
+                    metrics.prefetch_pgs.append(ok)
+                    metrics.prefetch_bandwidth.append(bw)
+                else:
+                    s["sets"] += written
+                    s["set_skipped"] += ok - written
+                    s["set_failed"] += n - ok
+                    s["bytes_written"] += written * page
+                    metrics.backup_pgs.append(ok)
+                    metrics.backup_bandwidth.append(bw)
+            return dict(s)
 
 
 def _flat_piece(t: torch.Tensor) -> list:

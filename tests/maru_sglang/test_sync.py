@@ -3,7 +3,9 @@ the backend has no lock or wait outside that rule. The whole backend under the i
 
 from __future__ import annotations
 
+import ast
 import os
+import pathlib
 import sys
 import threading
 
@@ -15,6 +17,7 @@ from maru_sglang.sync import Mutex, MutexTimeout, boundary
 from ..conftest import in_finalizer
 
 HERE = os.path.abspath(__file__)
+PACKAGE = pathlib.Path(sync.__file__).parent
 
 
 def _tracer(n: int, files: tuple):
@@ -140,3 +143,34 @@ def test_a_busy_mutex_is_waited_for_within_its_bound():
         assert m.acquire(blocking=False) is False  # not re-entrant, as threading.Lock
         with pytest.raises(RuntimeError, match="already held by this thread"):
             m.acquire()
+
+
+# --------------------------------------------------------------------------- the rule's reach, read from the source
+LOCK_TYPES = {"Lock", "RLock", "Condition", "Semaphore", "BoundedSemaphore", "Barrier"}
+WAITS = {"wait", "acquire", "join", "get"}  # untimed when called without an argument
+
+
+def test_the_backend_has_no_lock_but_a_mutex_and_no_untimed_wait():
+    """Every lock of maru_sglang is a sync.Mutex (one rule, in one module), and every wait has a bound: a
+    `.wait()`, `.acquire()`, `.join()` or `.get()` without arguments would wait forever."""
+    bad = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            name, where = node.func.attr, f"{path.name}:{node.lineno}"
+            if name in LOCK_TYPES and path.name != "sync.py":
+                bad.append(f"{where}: {ast.unparse(node)} (use sync.Mutex)")
+            elif name in WAITS and not node.args and not node.keywords:
+                bad.append(f"{where}: {ast.unparse(node)} waits without a bound")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_public_method_of_the_backend_is_a_boundary():
+    pytest.importorskip("sglang", exc_type=ImportError, reason="sglang cannot be imported")
+    from maru_sglang.maru_storage import MaruStorage
+
+    public = [n for n, f in vars(MaruStorage).items() if not n.startswith("_") and callable(f)]
+    assert {"batch_get_v1", "batch_set_v2", "get", "clear", "close", "get_stats"} <= set(public)
+    assert [n for n in public if not getattr(getattr(MaruStorage, n), "is_boundary", False)] == []
