@@ -15,8 +15,8 @@ and the next call then waits forever. The rule is maru_shm's (locks.py, guard.py
   gives back, however it ends, each mutex its thread took during it. So a section never spans a boundary.
 - Every wait has a bound: a mutex is waited for at most its `timeout` (MutexTimeout, which a call answers
   as a miss). Sections are short; the longest (attaching the pool) is one Store.open.
-- Figures a storage thread adds on every call need no mutex: it appends a record to a deque (one C call,
-  atomic under the GIL), and the reader folds what it `takes`.
+- Figures a storage thread adds on every call need no mutex (`Tally`): it appends a record to a deque
+  (one C call, atomic under the GIL), and the reader folds them.
 
 The store's thread guards (maru_shm/guard.py) are another family: a store call that fails gives back the
 guards of its thread, never the backend's mutexes, which the attaching section holds across Store.open.
@@ -28,22 +28,25 @@ import collections
 import functools
 import inspect
 import threading
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 WAIT_S = 30.0  # the longest wait for a mutex; a section lasts microseconds, attaching one Store.open
+FOLD_AT = 1024  # records waiting in a Tally that the thread adding one folds itself, if nobody is folding
+T = TypeVar("T")
 
-_local = threading.local()  # .held: the mutexes this thread may hold
+
+class _Held(threading.local):
+    """Per thread, `held`: the mutexes it may hold (always present: a missing attribute costs microseconds)."""
+
+    def __init__(self) -> None:
+        self.held: list = []
+
+
+_local = _Held()
 
 
 class MutexTimeout(TimeoutError):
     """A mutex of the backend stayed busy for its whole bound; the call answers a miss."""
-
-
-def _held() -> list:
-    held = getattr(_local, "held", None)
-    if held is None:
-        held = _local.held = []
-    return held
 
 
 class Mutex:
@@ -66,7 +69,7 @@ class Mutex:
                 return False
             raise RuntimeError(f"{self.what}: already held by this thread")
         bound = self.timeout if timeout < 0 else timeout
-        held = _held()
+        held = _local.held
         held.append(self)  # named before it is taken
         if lock.acquire(True, bound) if blocking else lock.acquire(False):
             return True
@@ -80,7 +83,7 @@ class Mutex:
         lock = self._lock
         while lock._is_owned():
             lock.release()
-        held = _held()
+        held = _local.held
         if self in held:
             held.remove(self)
 
@@ -97,9 +100,7 @@ class Mutex:
 
 def _release_since(before: tuple) -> None:
     """Give back every mutex the calling thread took beyond `before` (those it held when the boundary began)."""
-    held = getattr(_local, "held", None)
-    if not held or len(held) == len(before):
-        return
+    held = _local.held
     for m in list(held):
         if m not in before:
             lock = m._lock
@@ -114,11 +115,12 @@ def boundary(fn):
     collector runs inside a section) leaves the mutexes of the outer one alone."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        before = tuple(getattr(_local, "held", ()))
+        before = tuple(_local.held)
         try:
             return fn(*args, **kwargs)
         finally:
-            _release_since(before)
+            if len(_local.held) != len(before):
+                _release_since(before)
     call.is_boundary = True
     return call
 
@@ -131,7 +133,7 @@ def public_calls(cls):
     return cls
 
 
-def taken(records: collections.deque) -> Iterator:
+def _taken(records: collections.deque) -> Iterator:
     """Every record appended to `records` so far, each given to one taker only (popleft is atomic under the
     GIL): storage threads append their figures without a lock, the reader folds them."""
     while True:
@@ -139,3 +141,36 @@ def taken(records: collections.deque) -> Iterator:
             yield records.popleft()
         except IndexError:
             return
+
+
+class Tally:
+    """Figures that SGLang's storage threads add to on every call without waiting for anything: `add` appends
+    a record (atomic under the GIL); `read(fn)` folds every record added so far through `fold` and returns
+    fn(), under the tally's mutex. SGLang reads the figures only with storage metrics on, so a thread that
+    finds FOLD_AT records waiting folds them itself, if no other thread is folding: the records stay
+    bounded, and no storage thread waits."""
+
+    __slots__ = ("_records", "_mutex", "_fold")
+
+    def __init__(self, what: str, fold: Callable[[tuple], None]):
+        self._records: collections.deque = collections.deque()
+        self._mutex = Mutex(what)
+        self._fold = fold
+
+    def add(self, record: tuple) -> None:
+        self._records.append(record)
+        if len(self._records) >= FOLD_AT and self._mutex.acquire(blocking=False):
+            try:
+                self._fold_all()
+            finally:
+                self._mutex.release()
+
+    def read(self, fn: Callable[[], T]) -> T:
+        with self._mutex:
+            self._fold_all()
+            return fn()
+
+    def _fold_all(self) -> None:
+        for record in _taken(self._records):
+            self._fold(record)
+

@@ -22,7 +22,6 @@ Rules:
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import os
@@ -33,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import tierstatus
 from .config import master_address
-from .sync import Mutex, MutexTimeout, boundary, taken
+from .sync import Mutex, MutexTimeout, Tally, boundary
 
 logger = logging.getLogger("maru_sglang")
 
@@ -117,8 +116,8 @@ class SecondTier:
         self._lock = Mutex("the second tier's state")  # no Mooncake call runs under it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._counts: Dict[str, int] = dict.fromkeys(COUNTERS, 0)  # stats() folds the counts added into these
-        self._added: collections.deque = collections.deque()  # (counter, n), appended without a lock
+        self._counts: Dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._tally = Tally("the second tier's counters", self._fold)  # (counter, n) records, folded into them
         self._status: Optional[tuple] = None  # (pool path, file name, mode, identity) for maru-shm inspect
         self._published: Optional[dict] = None
 
@@ -254,8 +253,11 @@ class SecondTier:
 
     # ------------------------------------------------------------ guarded calls
     def count(self, name: str, n: int = 1) -> None:
-        """Add to a counter without waiting for anything (sync.py)."""
-        self._added.append((name, n))
+        """Add to a counter without waiting for anything (sync.Tally)."""
+        self._tally.add((name, n))
+
+    def _fold(self, record: tuple) -> None:
+        self._counts[record[0]] += record[1]
 
     def call(self, what: str, fn: Callable[[Any], Any], fallback):
         """fn(MooncakeStore) while attached; `fallback` when not, or when it raises (which detaches)."""
@@ -293,9 +295,6 @@ class SecondTier:
         return self.state == ATTACHED
 
     def stats(self) -> dict:
-        with self._lock:
-            for name, n in taken(self._added):
-                self._counts[name] += n
-            out = dict(self._counts)
+        out = self._tally.read(lambda: dict(self._counts))
         out.update(state=self.state, master=f"{self.master[0]}:{self.master[1]}", tag=self.tag)
         return out

@@ -145,6 +145,33 @@ def test_a_busy_mutex_is_waited_for_within_its_bound():
             m.acquire()
 
 
+def test_a_tally_counts_every_record_stays_bounded_without_a_reader_and_never_waits_for_one():
+    totals = {"n": 0}
+    tally = sync.Tally("test figures", lambda r: totals.__setitem__("n", totals["n"] + r[0]))
+    threads = [threading.Thread(target=lambda: [tally.add((1,)) for _ in range(5000)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tally._records) < sync.FOLD_AT  # folded by the adding threads: SGLang may never read
+    assert tally.read(lambda: totals["n"]) == 20000
+    reading, done = threading.Event(), threading.Event()
+
+    def slow_reader():
+        tally.read(lambda: (reading.set(), done.wait(30)))
+    t = threading.Thread(target=slow_reader)
+    t.start()
+    try:
+        assert reading.wait(30)
+        for _ in range(3 * sync.FOLD_AT):
+            tally.add((1,))  # returns at once while the reader holds the tally
+        assert len(tally._records) == 3 * sync.FOLD_AT
+    finally:
+        done.set()
+        t.join()
+    assert tally.read(lambda: totals["n"]) == 20000 + 3 * sync.FOLD_AT
+
+
 # --------------------------------------------------------------------------- the rule's reach, read from the source
 LOCK_TYPES = {"Lock", "RLock", "Condition", "Semaphore", "BoundedSemaphore", "Barrier"}
 WAITS = {"wait", "acquire", "join", "get"}  # untimed when called without an argument
