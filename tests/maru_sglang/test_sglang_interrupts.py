@@ -226,8 +226,8 @@ class Node:
                                                        host_kw=dict(layer_num=2, head_num=1, head_dim=64))
         if self.tier2 is not None:
             assert mc.wait_attached(self.backend), "the second tier did not attach"
-        self.page = _page_size_of(self.host)
-        self.flat = self.host.get_dummy_flat_data_page().numel() * self.host.get_dummy_flat_data_page().element_size()
+        page = self.host.get_dummy_flat_data_page()
+        self.flat = page.numel() * page.element_size()  # bytes of a legacy (flat) page
 
 
 class Rig:
