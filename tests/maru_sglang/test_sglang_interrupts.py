@@ -25,6 +25,7 @@ import hashlib
 import os
 import queue
 import random
+import shutil
 import sys
 import threading
 import time
@@ -482,6 +483,7 @@ def pools():
     yield new
     for p in made:
         remove_pool(p)
+        shutil.rmtree(p + ".tier2", ignore_errors=True)  # a second tier's status files
 
 
 def _pool_rig(pools, seed: int) -> Rig:
