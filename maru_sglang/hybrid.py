@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
@@ -59,6 +58,7 @@ from maru_shm import Store, format_size, prefixed_digests
 from .localtier import LocalTier, LogOnce
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
+from .sync import Tally
 
 logger = logging.getLogger("maru_sglang")
 
@@ -107,8 +107,8 @@ class HybridPools:
         self._declare = declare
         self._log_once = log_once
         self.pools: Dict[str, PoolSpec] = {}  # extra host pools of hybrid models, by name
+        self._tally = Tally("the v2 pools' figures", self._fold)  # one record per transfer, folded into:
         self._stats: Dict[str, dict] = {}
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ registration
     def describe(self, host_pool, name) -> PoolSpec:
@@ -333,25 +333,26 @@ class HybridPools:
 
     # ------------------------------------------------------------------ figures
     def _account(self, spec: PoolSpec, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
-        ok = sum(res)
-        with self._lock:
-            s = self._stats.setdefault(spec.name, {"page_bytes": spec.page_bytes, "hits": 0, "misses": 0,
-                                                   "bytes_read": 0, "sets": 0, "set_skipped": 0,
-                                                   "set_failed": 0, "bytes_written": 0, "seconds": 0.0})
-            s["seconds"] += time.perf_counter() - t0
-            if read:
-                s["hits"] += ok
-                s["misses"] += len(res) - ok
-                s["bytes_read"] += ok * spec.page_bytes
-            else:
-                s["sets"] += written
-                s["set_skipped"] += ok - written
-                s["set_failed"] += len(res) - ok
-                s["bytes_written"] += written * spec.page_bytes
+        """Count one transfer, without waiting for anything (sync.Tally)."""
+        self._tally.add((spec.name, spec.page_bytes, read, sum(res), len(res), written, time.perf_counter() - t0))
+
+    def _fold(self, record: tuple) -> None:
+        name, page, read, ok, n, written, seconds = record
+        s = self._stats.setdefault(name, {"page_bytes": page, "hits": 0, "misses": 0, "bytes_read": 0, "sets": 0,
+                                          "set_skipped": 0, "set_failed": 0, "bytes_written": 0, "seconds": 0.0})
+        s["seconds"] += seconds
+        if read:
+            s["hits"] += ok
+            s["misses"] += n - ok
+            s["bytes_read"] += ok * page
+        else:
+            s["sets"] += written
+            s["set_skipped"] += ok - written
+            s["set_failed"] += n - ok
+            s["bytes_written"] += written * page
 
     def stats(self) -> dict:
-        with self._lock:
-            return {name: dict(s) for name, s in self._stats.items()}
+        return self._tally.read(lambda: {name: dict(s) for name, s in self._stats.items()})
 
 
 def _what(host_pool, n: str) -> str:

@@ -9,7 +9,7 @@ just loaded, stored here) is counted by the caller, not as a set.
 
 from __future__ import annotations
 
-import threading
+import collections
 import time
 from typing import Callable, List
 
@@ -20,8 +20,10 @@ from maru_shm import Store
 
 from .namespace import KeySpace
 from .pages import check_host_indices, page_pieces, store_pages
+from .sync import Tally
 
 LogOnce = Callable[[str, BaseException], None]
+PER_CALL_KEPT = 10_000  # per-call figures kept for SGLang's StorageMetrics until drain() reads them
 
 
 class LocalTier:
@@ -40,13 +42,11 @@ class LocalTier:
         self.host_pool = None
         self.page_bytes: int | None = None
         self.pieces_per_page = 0
-        self._lock = threading.Lock()
+        self._tally = Tally("LocalTier's figures", self._fold)  # one record per call, folded into these:
         self.stats = {"hits": 0, "misses": 0, "bytes_read": 0, "bytes_written": 0, "sets": 0, "set_skipped": 0,
                       "set_failed": 0}
-        self.prefetch_pgs: list[int] = []
-        self.backup_pgs: list[int] = []
-        self.prefetch_bw: list[float] = []
-        self.backup_bw: list[float] = []
+        self._per_call = {name: collections.deque(maxlen=PER_CALL_KEPT) for name in
+                          ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")}
 
     def bind(self, host_pool, page_bytes: int, pieces_per_page: int) -> None:
         """The registered KV host pool and its page: `pieces_per_page` pieces, `page_bytes` in all."""
@@ -169,37 +169,38 @@ class LocalTier:
 
     # ------------------------------------------------------------ counts
     def account(self, res: List[bool], t0: float, read: bool, written: int = 0) -> None:
-        """Count one call of SGLang's (v1 or legacy) that began at perf_counter() `t0`."""
+        """Count one call of SGLang's (v1 or legacy) that began at perf_counter() `t0`, without waiting for
+        anything (sync.Tally)."""
         ok = sum(res)
         dt = max(time.perf_counter() - t0, 1e-9)
         gb = (ok if read else written) * (self.page_bytes or 0) / 1e9
-        with self._lock:
-            if read:
-                self.stats["hits"] += ok
-                self.stats["misses"] += len(res) - ok
-                self.stats["bytes_read"] += ok * (self.page_bytes or 0)
-                self.prefetch_pgs.append(ok)
-                self.prefetch_bw.append(gb / dt)
-            else:
-                self.stats["sets"] += written
-                self.stats["set_skipped"] += ok - written
-                self.stats["set_failed"] += len(res) - ok
-                self.stats["bytes_written"] += written * (self.page_bytes or 0)
-                self.backup_pgs.append(ok)
-                self.backup_bw.append(gb / dt)
+        self._tally.add((read, ok, len(res), written, gb / dt))
+
+    def _fold(self, record: tuple) -> None:
+        read, ok, n, written, bw = record
+        s, page, per_call = self.stats, self.page_bytes or 0, self._per_call
+        if read:
+            s["hits"] += ok
+            s["misses"] += n - ok
+            s["bytes_read"] += ok * page
+            per_call["prefetch_pgs"].append(ok)
+            per_call["prefetch_bandwidth"].append(bw)
+        else:
+            s["sets"] += written
+            s["set_skipped"] += ok - written
+            s["set_failed"] += n - ok
+            s["bytes_written"] += written * page
+            per_call["backup_pgs"].append(ok)
+            per_call["backup_bandwidth"].append(bw)
 
     def drain(self, metrics) -> dict:
         """Move the per-call figures into SGLang's StorageMetrics `metrics`; the running totals."""
-        with self._lock:
-            metrics.prefetch_pgs.extend(self.prefetch_pgs)
-            metrics.backup_pgs.extend(self.backup_pgs)
-            metrics.prefetch_bandwidth.extend(self.prefetch_bw)
-            metrics.backup_bandwidth.extend(self.backup_bw)
-            self.prefetch_pgs.clear()
-            self.backup_pgs.clear()
-            self.prefetch_bw.clear()
-            self.backup_bw.clear()
+        def move() -> dict:
+            for name, figures in self._per_call.items():
+                getattr(metrics, name).extend(figures)
+                figures.clear()
             return dict(self.stats)
+        return self._tally.read(move)
 
 
 def _flat_piece(t: torch.Tensor) -> list:

@@ -28,7 +28,6 @@ same pool file and moves pages directly between its host pool and the file.
 from __future__ import annotations
 
 import logging
-import threading
 from functools import partial
 from typing import Any, List, Optional
 
@@ -46,6 +45,7 @@ from .localtier import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit
 from .pool import SharedPool
+from .sync import public_calls
 from .tier2 import SecondTier
 from .twotier import TwoTiers
 
@@ -54,16 +54,17 @@ logger = logging.getLogger("maru_sglang")
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first", "page_head", "layer_first", "page_first_kv_split")
 
 
+@public_calls
 class MaruStorage(HiCacheStorage):
-    """HiCacheStorage over one shared maru_shm pool file."""
+    """HiCacheStorage over one shared maru_shm pool file. Every public method is a boundary (sync.py): an
+    exception that ends it, at any bytecode, leaves no mutex of the backend held."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
         self.config = MaruConfig.from_extra_config(storage_config.extra_config if storage_config else None)
         self.is_writer = bool(storage_config.is_storage_writer) if storage_config else True
         self.mem_pool_host = None
-        self._logged: set = set()
-        self._lock = threading.Lock()
+        self._logged: dict = {}  # the causes logged (setdefault: one atomic step, no lock)
         store = lambda: self.store  # the parts below are given the store (reopened if lost), never this adapter
         self.keyspace = KeySpace(store, self.log_once)  # whose pages these are, and the clear() nonce
         # the store, attached once the page sizes are known, and reopened (the namespace adopted) if lost
@@ -169,11 +170,9 @@ class MaruStorage(HiCacheStorage):
         A store failure that shows the pool lost is not logged here: SharedPool detaches and logs it once."""
         if isinstance(exc, StoreError) and self.pool.failed(exc):
             return
-        cause = (what, type(exc).__name__, str(exc)[:200])
-        with self._lock:
-            if cause in self._logged:
-                return
-            self._logged.add(cause)
+        cause, mine = (what, type(exc).__name__, str(exc)[:200]), object()
+        if self._logged.setdefault(cause, mine) is not mine:
+            return
         logger.error("maru: %s failed: %s: %s (further identical failures are not logged)",
                      what, type(exc).__name__, exc)
 
@@ -304,9 +303,7 @@ class MaruStorage(HiCacheStorage):
         """Detach from the pool (the pool and other instances' pages stay) and from the second tier."""
         if self.tier2 is not None:
             self.tier2.close()
-        store = self.pool.close()
-        if store is not None:
-            store.close()
+        self.pool.close()
 
     def __del__(self):
         try:
@@ -321,8 +318,16 @@ class MaruStorage(HiCacheStorage):
         figures that scan the pool (entries, utilization) are `maru-shm inspect`'s."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
         m = StorageMetrics()
-        mine = self.local.drain(m)
         try:  # called from the scheduler loop: never raise into it
+            m.maru = self._figures(m)
+        except Exception as e:
+            self.log_once("get_stats", e)
+            m.maru = {}
+        return m
+
+    def _figures(self, m) -> dict:
+        mine = self.local.drain(m)
+        try:
             store = self.pool.store  # None before the pool is attached and after close()
             pool = store.counts() if store is not None else {}
         except Exception as e:
@@ -332,5 +337,4 @@ class MaruStorage(HiCacheStorage):
                      "pools": self.hybrid.stats(), "pool": self.pool.stats()})
         if self.tier2 is not None:
             mine["tier2"] = self.tier2.stats()
-        m.maru = mine
-        return m
+        return mine

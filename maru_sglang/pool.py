@@ -36,6 +36,7 @@ from typing import Callable, Optional
 from maru_shm import PoolClosedError, SizeMismatchError, Store, StoreError, format_size
 
 from .config import MaruConfig
+from .sync import Mutex, boundary
 
 logger = logging.getLogger("maru_sglang")
 
@@ -54,7 +55,7 @@ class SharedPool:
         self.config = config
         self.store: Store | None = None
         self._closed = False
-        self._lock = threading.Lock()
+        self._lock = Mutex("the pool's attachment")
         self._warned: set[int] = set()
         self._pages: dict[int, str] = {}  # every page size declared: declared again in a reopened pool
         self._value_size: int | None = None  # what a pool this instance creates is sized for
@@ -62,6 +63,7 @@ class SharedPool:
         self._lost: str | None = None  # why the pool is detached; None while attached (or not yet attached)
         self._next_check = 0.0  # monotonic time of the next path check on the calls' path
         self._stop = threading.Event()  # close(): the healing thread stops
+        self._healer: threading.Thread | None = None
         self._counts = {"losses": 0, "heals": 0, "reopen_failures": 0}
 
     def attach(self, pages: list) -> Store:
@@ -96,8 +98,11 @@ class SharedPool:
         """The store for a call; None before the first attach (the caller attaches). Raises PoolDetachedError
         while a lost pool is reopened. Asks whether the pool is lost at most once per maru_heal_retry_s."""
         store = self.store
-        if store is None:
+        if store is None or self._closed:
+            if self._closed:
+                raise PoolClosedError("MaruStorage is closed")
             if self._lost is not None:
+                self._keep_healing()
                 raise self._detached()
             return None
         now = time.monotonic()
@@ -112,20 +117,22 @@ class SharedPool:
         a miss)? So while detached; when the store says it is lost now (it is detached here); and for a
         PoolClosedError after a loss: a call that took the store just before this instance closed it."""
         store = self.store
-        if store is None:
+        if store is None or self._closed:
             return self._lost is not None
         if isinstance(exc, PoolClosedError) and self._counts["losses"]:
             return True
         return self._check(store)
 
-    def close(self) -> Store | None:
-        """No attach from now on, and no reopening; the store to close, if one is open."""
+    def close(self) -> None:
+        """No attach from now on, and no reopening; the store closed. A close that an exception cut short
+        finishes when called again (the store is forgotten only once it is closed)."""
         self._stop.set()
         with self._lock:
-            self._closed = True
-            self._lost = None
-            store, self.store = self.store, None
-        return store
+            self._closed, self._lost = True, None
+        store = self.store
+        if store is not None:
+            store.close()
+            self.store = None
 
     def stats(self) -> dict:
         """state (attached, detached, closed, not attached), losses, heals, reopen_failures: this process's."""
@@ -160,8 +167,19 @@ class SharedPool:
             store.close()
         except Exception as e:  # a mapping still exported somewhere: the process's exit unmaps it
             logger.warning("maru: closing the lost pool %s: %s: %s", self.config.path, type(e).__name__, e)
-        threading.Thread(target=self._heal, name="maru-heal", daemon=True).start()
+        self._keep_healing()
 
+    def _keep_healing(self) -> None:
+        """Start the thread that reopens a lost pool, unless it runs. The calls ask too, while the pool is
+        detached: an exception may have ended the one that detached it before it started the thread."""
+        with self._lock:
+            healer = self._healer
+            if self._lost is None or self._closed or (healer is not None and healer.is_alive()):
+                return
+            self._healer = threading.Thread(target=self._heal, name="maru-heal", daemon=True)
+            self._healer.start()
+
+    @boundary
     def _heal(self) -> None:
         """Reopen the pool with backoff until it is attached again, or close() stops it."""
         wait, t0, seen = self.config.heal_retry_s, time.monotonic(), set()
@@ -192,13 +210,15 @@ class SharedPool:
 
     def _publish(self, store: Store, took: float) -> None:
         with self._lock:
-            if self._closed:
-                store.close()
-                return
-            self.store, self._lost = store, None
-            self._next_check = time.monotonic() + self.config.heal_retry_s
-            self._counts["heals"] += 1
+            stale = self._closed or self.store is not None  # closed meanwhile, or a second healer was first
+            if not stale:
+                self.store, self._lost = store, None
+                self._next_check = time.monotonic() + self.config.heal_retry_s
+                self._counts["heals"] += 1
             heals = self._counts["heals"]
+        if stale:
+            store.close()
+            return
         try:
             store.count_heal()
         except StoreError as e:  # lost again already: the next call finds it

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import tierstatus
 from .config import master_address
+from .sync import Mutex, MutexTimeout, Tally, boundary
 
 logger = logging.getLogger("maru_sglang")
 
@@ -112,10 +113,11 @@ class SecondTier:
         self.tag: Optional[str] = None
         self._client = None  # SGLang's MooncakeStore, once built
         self._pools: List[tuple] = []  # v2 pools (host_pool, name) to register with the store
-        self._lock = threading.Lock()
+        self._lock = Mutex("the second tier's state")  # no Mooncake call runs under it
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._counts: Dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._tally = Tally("the second tier's counters", self._fold)  # (counter, n) records, folded into them
         self._status: Optional[tuple] = None  # (pool path, file name, mode, identity) for maru-shm inspect
         self._published: Optional[dict] = None
 
@@ -144,8 +146,8 @@ class SecondTier:
         with self._lock:
             self._pools.append((host_pool, name))
             client = self._client
-            if client is not None:
-                self._register_pool(client, host_pool, name)
+        if client is not None:  # else _build registers it
+            self._register_pool(client, host_pool, name)
 
     def _register_pool(self, client, host_pool, name) -> None:
         try:
@@ -175,6 +177,7 @@ class SecondTier:
         except OSError as e:  # a full tmpfs or a removed directory costs the status, nothing else
             self._log_once("tier2: writing the status file for maru-shm inspect", e)
 
+    @boundary
     def _run(self, cfg, host_pool) -> None:
         while not self._stop.is_set():
             if self.state in (WAITING, DOWN) and self._master_answers():
@@ -205,14 +208,19 @@ class SecondTier:
             self._log_once("tier2: attaching Mooncake Store", e)
             self.state = WAITING if not self._stop.is_set() else CLOSED
             return
-        with self._lock:
-            if self._stop.is_set():
-                return
-            for pool, name in self._pools:
+        done = 0
+        while True:  # the pools registered so far, then the client published once none is left to register
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                pending = self._pools[done:]
+                if not pending:
+                    self._client, self.state = client, ATTACHED
+                    break
+            for pool, name in pending:
                 self._register_pool(client, pool, name)
-            self._client = client
-            self.state = ATTACHED
-            self._counts["attaches"] += 1
+            done += len(pending)
+        self.count("attaches")
         logger.info("maru: second tier attached: Mooncake master %s:%d, tag %s", *self.master, self.tag)
 
     def _probe(self) -> None:
@@ -226,22 +234,30 @@ class SecondTier:
             if self.state != DOWN:
                 return
             self.state = ATTACHED
-            self._counts["attaches"] += 1
+        self.count("attaches")
         logger.info("maru: second tier attached again: Mooncake master %s:%d answers", *self.master)
 
     def went_down(self, why: str) -> None:
-        with self._lock:
-            if self.state != ATTACHED:
-                return
-            self.state = DOWN
-            self._counts["detaches"] += 1
+        """Detach the tier. Runs on the failure path of SGLang's calls, so it never raises: a state mutex
+        busy past its bound (its sections are short and wait for nothing) leaves the tier as it is."""
+        try:
+            with self._lock:
+                if self.state != ATTACHED:
+                    return
+                self.state = DOWN
+        except MutexTimeout:
+            return
+        self.count("detaches")
         logger.warning("maru: second tier detached (%s); the pool keeps serving, retrying every %.1f s",
                        why, self.retry_s)
 
     # ------------------------------------------------------------ guarded calls
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
+        """Add to a counter without waiting for anything (sync.Tally)."""
+        self._tally.add((name, n))
+
+    def _fold(self, record: tuple) -> None:
+        self._counts[record[0]] += record[1]
 
     def call(self, what: str, fn: Callable[[Any], Any], fallback):
         """fn(MooncakeStore) while attached; `fallback` when not, or when it raises (which detaches)."""
@@ -279,7 +295,6 @@ class SecondTier:
         return self.state == ATTACHED
 
     def stats(self) -> dict:
-        with self._lock:
-            out = dict(self._counts)
+        out = self._tally.read(lambda: dict(self._counts))
         out.update(state=self.state, master=f"{self.master[0]}:{self.master[1]}", tag=self.tag)
         return out
