@@ -402,8 +402,9 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
 
 def measure(runs: int, seed: int) -> dict:
     """RELIABILITY.md's figures: the workload (no close) `runs` times, one interrupt each and no repair in
-    between; then the runs that ended with a lock held, and, with every key deleted and the kept lists
-    dropped, the blocks still reserved or held. Public calls only, so that it measures older code too; a
+    between; then the runs that ended with a lock held, the blocks check() found orphaned right after an
+    interrupt, and, with every key deleted and the kept lists dropped, the blocks still reserved, held or
+    live (orphans). Public calls only, so that it measures older code too; a
     thread mutex left held shows as a hang (SIGALRM after 20 s without a finished run)."""
     import signal
     import uuid
@@ -419,6 +420,7 @@ def measure(runs: int, seed: int) -> dict:
     s = Store.open(path, "2M", create=True, unit_size=64 << 10, max_value="64K", copy_threads=1, timeout=0.5)
     out = {"interrupts": 0, "runs_ending_with_a_lock_held": 0, "wrong_reads": 0, "hang": None}
     events: list[int] = []
+    orphaned: set[str] = set()  # blocks check() found orphaned right after an interrupted run
     try:
         for run in range(runs + 1):
             signal.alarm(20)
@@ -431,6 +433,7 @@ def measure(runs: int, seed: int) -> dict:
                 events = events[-15:] + [seen[0]]
             except KeyboardInterrupt:
                 out["interrupts"] += 1
+                orphaned.update(p.split(":")[0] for p in s.check().problems if "(orphan)" in p)
             finally:
                 sys.settrace(outer)
             out["runs_ending_with_a_lock_held"] += _a_lock_held_by_anyone(path) is not None
@@ -439,7 +442,8 @@ def measure(runs: int, seed: int) -> dict:
             s.delete(k)
         s.alloc.free_kept()
         st = s.stats()
-        out.update(reserved_after=st["reserved_blocks"], held_after=st["held_blocks"], wrong_reads=len(model.wrong))
+        out.update(reserved_after=st["reserved_blocks"], held_after=st["held_blocks"], wrong_reads=len(model.wrong),
+                   orphans_after=st["live_blocks"], orphans_seen=len(orphaned))  # (no key left: live is orphaned)
         signal.alarm(0)
         s.close()
         remove_pool(path)
