@@ -2,10 +2,11 @@
 *Creation*; BRIEF invariant 12).
 
 INIT, held on the lock file, serialises creation. A creator that finds no file at the pool's path builds the
-pool whole under a temporary name beside it (`.<name>.maru-new-<32 hex>`) and publishes it with a rename
-that never replaces a file, so the path names nothing or a ready pool. The lock file comes first, and only
-the process that made it removes it, holding INIT, while it names no ready pool (lockfile.remove_unused).
-What a creator killed at any step leaves (a lock file naming no pool, a temporary file) the next holder of
+pool whole as an unnamed file in its directory (O_TMPFILE; where the file system has none, under a
+temporary name `.<name>.maru-new-<32 hex>`) and gives it the path with a link or rename that never
+replaces a file, so the path names nothing or a ready pool. The lock file comes first, and only the process
+that made it removes it, holding INIT, while it names no ready pool (lockfile.remove_unused). What a
+creator killed at any step leaves (a lock file naming no pool; a named temporary file) the next holder of
 INIT uses or removes. A DAX device, which has no name to publish, and a file already at the path (empty,
 or an unfinished header of ours) are formatted in place under INIT.
 """
@@ -35,8 +36,8 @@ def _temp_prefix(path: str) -> tuple[str, str]:
 
 
 def remove_leftovers(path: str) -> None:
-    """Holding INIT: remove the temporary files that creators of the pool at `path` killed while building
-    left behind. Only a holder of INIT builds one, so none of them is in use."""
+    """Holding INIT: remove the named temporary files that creators of the pool at `path` killed while
+    building left behind. Only a holder of INIT builds one, so none of them is in use."""
     folder, prefix = _temp_prefix(path)
     temp = re.compile(re.escape(prefix) + "[0-9a-f]{32}")
     try:
@@ -52,16 +53,14 @@ def remove_leftovers(path: str) -> None:
 
 
 def build_pool(path: str, lock_fd: int, size: int | None, mode: int, plan_kwargs: dict, fit) -> tuple[int, Geometry]:
-    """Holding INIT, with no file at `path`: build a ready pool of `size` bytes under a temporary name and
-    publish it at `path`. Returns its descriptor and geometry. `fit(stat)` fits the lock file to the new
-    pool's mode before anything is written. FileExistsError: a file appeared at `path` meanwhile (made
-    outside this protocol); nothing of this call is left."""
+    """Holding INIT, with no file at `path`: build a ready pool of `size` bytes as a new file and give it the
+    path. Returns its descriptor and geometry. `fit(stat)` fits the lock file to the new pool's mode before
+    anything is written. FileExistsError: a file appeared at `path` meanwhile (made outside this protocol);
+    nothing of this call is left."""
     if size is None:
         raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
     remove_leftovers(path)
-    folder, prefix = _temp_prefix(path)
-    temp = os.path.join(folder, prefix + os.urandom(16).hex())
-    fd = os.open(temp, _TEMP_FLAGS, mode)
+    fd, temp = _new_file(path, mode)
     try:
         try:
             if mode & 0o077:
@@ -70,9 +69,10 @@ def build_pool(path: str, lock_fd: int, size: int | None, mode: int, plan_kwargs
             geo = format_pool(fd, path, lock_fd, size, False, plan_kwargs)
             if _cp.ARMED is not None:
                 _cp.hit("create.before_publish")
-            _publish(temp, path)
+            _publish(fd, temp, path)
         finally:
-            _unlink_quietly(temp)  # published: the name is gone already (or, after a link, a second name)
+            if temp is not None:
+                _unlink_quietly(temp)  # published: the name is gone already (or, after a link, a second name)
         if _cp.ARMED is not None:
             _cp.hit("create.published")
     except BaseException:
@@ -81,15 +81,39 @@ def build_pool(path: str, lock_fd: int, size: int | None, mode: int, plan_kwargs
     return fd, geo
 
 
+_UNNAMED = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")  # (tests turn it off)
+
+
+def _new_file(path: str, mode: int) -> tuple[int, str | None]:
+    """A new file in the pool's directory: unnamed (O_TMPFILE), so that a creator killed while building leaves
+    nothing, and (descriptor, None); where the file system has no unnamed files, (descriptor, its temporary
+    name)."""
+    folder, prefix = _temp_prefix(path)
+    if _UNNAMED:
+        try:
+            return os.open(folder, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, mode), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    temp = os.path.join(folder, prefix + os.urandom(16).hex())
+    return os.open(temp, _TEMP_FLAGS, mode), temp
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.linkat.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int)
 _renameat2 = getattr(_libc, "renameat2", None)
 if _renameat2 is not None:
     _renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+_AT_FDCWD, _RENAME_NOREPLACE, _AT_SYMLINK_FOLLOW = -100, 1, 0x400
 
 
-def _publish(temp: str, path: str) -> None:
-    """Give the pool at `temp` the name `path`, never replacing a file there (FileExistsError)."""
+def _publish(fd: int, temp: str | None, path: str) -> None:
+    """Give the new pool (`fd`, unnamed; or its temporary name) the name `path`, never replacing a file there
+    (FileExistsError). os.link would link /proc's symlink itself, not the file it names: linkat does."""
+    if temp is None:
+        _check(_libc.linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(path),
+                            _AT_SYMLINK_FOLLOW), path)
+        return
     if _renameat2 is not None:
         if _renameat2(_AT_FDCWD, os.fsencode(temp), _AT_FDCWD, os.fsencode(path), _RENAME_NOREPLACE) == 0:
             return
@@ -97,6 +121,12 @@ def _publish(temp: str, path: str) -> None:
         if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else: not on this file system
             raise OSError(err, os.strerror(err), path)
     os.link(temp, path)  # also never replaces; the temporary name is removed next
+
+
+def _check(result: int, path: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)  # FileExistsError for EEXIST
 
 
 def _unlink_quietly(name: str) -> None:

@@ -1,6 +1,6 @@
 """Opening and mapping the one file that is the pool, and creating it through creation.py.
 
-Regular files (normally under /dev/shm) are built under a temporary name and published; DAX character
+Regular files (normally under /dev/shm) are built as a new file and published (creation.py); DAX character
 devices are used at their own size, read from sysfs, with 2 MiB alignment. The locks of both live in the
 pool's lock file (lockfile.py). Exactly one of several racing creators creates or formats the pool: whoever
 holds the INIT lock and finds no pool, or an unfinished one.

@@ -28,7 +28,7 @@ import textwrap
 
 import pytest
 
-from maru_shm import NotAPoolError, SizeMismatchError, Store, StoreError, crashpoints
+from maru_shm import NotAPoolError, SizeMismatchError, Store, StoreError, creation, crashpoints
 from maru_shm.format import FREE, LIVE, LOCK_IDS, LOCK_RECORD, META_STRUCT, U64, UNIT_HEAD
 from maru_shm.index import Index, key_digest
 from maru_shm.lockfile import lock_file_path
@@ -638,21 +638,27 @@ def test_lock_held_CLASSTAB(pool_path):
 # ---------------------------------------------------------------- creation (FORMAT.md section 2, *Creation*)
 
 def creation_leftovers(pool_path: str) -> list[str]:
-    """The temporary files of creators of `pool_path` (creation.py) still in its directory."""
+    """The named temporary files of creators of `pool_path` (creation.py) still in its directory."""
     folder, name = os.path.split(pool_path)
     return [n for n in os.listdir(folder) if n.startswith(f".{name}.maru-new-")]
 
 
-def create_after_a_killed_creator(pool_path: str, point: str, *, lock_file: bool, leftovers: bool) -> None:
+BUILDS = pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+
+
+def create_after_a_killed_creator(pool_path: str, point: str, named: bool, *, built: bool) -> None:
     """A creator of an 8 MiB pool dies at `point` before its pool is at the path: there is no pool (an opener
-    without create=True is told so), only the lock file (`lock_file`) and a temporary file (`leftovers`);
-    the next creator, of another size, makes its own pool with that lock file and removes the leftovers."""
-    run_child(pool_path, point, """
+    without create=True is told so), only the lock file and, if it `built` under a temporary name (`named`:
+    a file system without unnamed files), that file; the next creator, of another size, makes its own pool
+    with that lock file and removes the leftover."""
+    run_child(pool_path, point, f"""
+        import maru_shm.creation
+        maru_shm.creation._UNNAMED = {not named}
         Store.open(path, "8M", create=True)
     """)
     assert not os.path.lexists(pool_path)
-    assert os.path.exists(lock_file_path(pool_path, False)) == lock_file
-    assert bool(creation_leftovers(pool_path)) == leftovers
+    assert os.path.exists(lock_file_path(pool_path, False))
+    assert bool(creation_leftovers(pool_path)) == (named and built)
     with pytest.raises(StoreError, match="does not exist"):
         Store.open(pool_path, timeout=0.2)
     with Store.open(pool_path, "4M", create=True) as s:
@@ -664,12 +670,15 @@ def create_after_a_killed_creator(pool_path: str, point: str, *, lock_file: bool
 
 
 def test_create_lock_file(pool_path):
-    create_after_a_killed_creator(pool_path, "create.lock_file", lock_file=True, leftovers=False)
+    create_after_a_killed_creator(pool_path, "create.lock_file", False, built=False)
 
 
-def test_init_mid_header(pool_path):
-    """A creator dies half way through writing the header of the pool it builds under a temporary name."""
-    create_after_a_killed_creator(pool_path, "init.mid_header", lock_file=True, leftovers=True)
+@BUILDS
+def test_init_mid_header(pool_path, named, monkeypatch):
+    """A creator dies half way through writing the header of the pool it builds (unnamed, or named where
+    the file system has no unnamed files)."""
+    monkeypatch.setattr(creation, "_UNNAMED", not named)  # the next creator's way too
+    create_after_a_killed_creator(pool_path, "init.mid_header", named, built=True)
 
 
 def test_init_mid_header_in_place(pool_path):
@@ -687,18 +696,23 @@ def test_init_mid_header_in_place(pool_path):
         assert_recovered(s, expected)
 
 
-def test_create_before_publish(pool_path):
-    create_after_a_killed_creator(pool_path, "create.before_publish", lock_file=True, leftovers=True)
+@BUILDS
+def test_create_before_publish(pool_path, named, monkeypatch):
+    monkeypatch.setattr(creation, "_UNNAMED", not named)
+    create_after_a_killed_creator(pool_path, "create.before_publish", named, built=True)
 
 
 def test_lock_held_INIT_creating(pool_path):
     """A creator dies holding INIT before it built anything: the kernel drops INIT with the process."""
-    create_after_a_killed_creator(pool_path, "lock.held.INIT", lock_file=True, leftovers=False)
+    create_after_a_killed_creator(pool_path, "lock.held.INIT", False, built=False)
 
 
-def test_create_published(pool_path):
+@BUILDS
+def test_create_published(pool_path, named):
     """The creator dies with its pool at the path, INIT still held: the pool is whole, with its lock file."""
-    run_child(pool_path, "create.published", """
+    run_child(pool_path, "create.published", f"""
+        import maru_shm.creation
+        maru_shm.creation._UNNAMED = {not named}
         Store.open(path, "8M", create=True)
     """)
     assert creation_leftovers(pool_path) == []

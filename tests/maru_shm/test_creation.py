@@ -22,7 +22,7 @@ import random
 
 import pytest
 
-from maru_shm import SizeMismatchError, Store, StoreError, crashpoints, destroy_pool
+from maru_shm import SizeMismatchError, Store, StoreError, crashpoints, creation, destroy_pool
 from maru_shm.lockfile import lock_file_path
 
 SIZES = {"4M": 4 << 20, "6M": 6 << 20, "8M": 8 << 20}
@@ -136,6 +136,30 @@ def test_racing_creators_end_with_one_pool_and_its_lock_file(pool_path, children
 def test_racing_creators_killed_at_each_step_end_with_one_pool_or_none(pool_path, children, tmp_path):
     bad = run_rounds(pool_path, children, str(tmp_path), rounds=12, seed=51, creators=5, openers=1, armed=2)
     assert not bad, "\n".join(bad[:10])
+
+
+def test_without_unnamed_files_a_killed_creators_temporary_file_is_removed_by_the_next_creator_and_destroy(
+        pool_path, monkeypatch):
+    """Where the file system has no unnamed files (O_TMPFILE), a pool is built under a temporary name: what a
+    killed builder left is removed by the next creator (holding INIT) and by destroy, and nothing else is,
+    not even the lock file of a pool whose name starts like one."""
+    monkeypatch.setattr(creation, "_UNNAMED", False)
+    folder, name = os.path.split(pool_path)
+    left = os.path.join(folder, f".{name}.maru-new-{'0' * 32}")
+    neighbour = lock_file_path(f"{pool_path}.maru-new-{'0' * 32}", False)  # another pool's lock file
+    try:
+        for p in (left, neighbour):
+            open(p, "wb").close()
+        with Store.open(pool_path, "4M", create=True, timeout=TIMEOUT) as s:
+            assert s.created
+        assert _temporaries(pool_path) == [os.path.basename(neighbour)]
+        open(left, "wb").close()
+        destroy_pool(pool_path)
+        assert _temporaries(pool_path) == [os.path.basename(neighbour)] and not os.path.lexists(pool_path)
+    finally:
+        for p in (left, neighbour):
+            if os.path.lexists(p):
+                os.unlink(p)
 
 
 @pytest.mark.slow
