@@ -14,7 +14,8 @@ from .check import CheckReport, check_store
 from .errors import NotAPoolError, PoolInUseError, StoreError
 from .format import LOCK_INIT, LOCK_PROC, MAGIC, POOL_UUID_OFF, SUPERBLOCK_SIZE, Geometry
 from .livecheck import check_live
-from .lockfile import lock_file_path, missing_error, names_pool, open_lock_file, still_at
+from .creation import remove_leftovers
+from .lockfile import lock_file_path, missing_error, names_pool, open_lock_file, serves, still_at
 from .locks import take_lock
 from .poolfile import is_device_path
 from .poolview import PoolView, processes
@@ -78,6 +79,7 @@ def destroy_pool(path: str, *, force: bool = False, timeout: float = 10.0) -> li
             os.fsync(fd)
         elif still_at(fd, path):
             os.unlink(path)
+            remove_leftovers(path)  # what creators killed while building left
         else:
             raise StoreError(f"{path} was replaced while it was being destroyed; nothing removed")
         # The lock file goes last: a crash in between leaves a lock file without a pool, which the next
@@ -104,11 +106,13 @@ def _own_lock_file(path: str, device: bool, fd: int, head: bytes, force: bool) -
         if not force:
             raise type(e)(f"{e} (destroy --force removes the pool and its lock file)") from None
         return None
-    if names_pool(lock_fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16]):
+    if serves(lock_fd, head):
         return lock_fd
+    copy = names_pool(lock_fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16])
     os.close(lock_fd)
     if not force:
-        raise missing_error(path, device, "is not the one the pool was made with")
+        raise missing_error(path, device, "is not the file the pool was made with, though it has its bytes (a copy "
+                            "or a restore of it)" if copy else "is not the one the pool was made with")
     return None
 
 
@@ -122,6 +126,7 @@ def remove_pool(path: str) -> None:
             os.unlink(p)
         except FileNotFoundError:
             pass
+    remove_leftovers(path)
 
 
 is_device = is_device_path  # (path) -> is it a DAX character device, whose pool destroy_pool wipes instead of removing

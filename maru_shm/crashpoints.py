@@ -61,8 +61,14 @@ point                       where the process dies                              
                             the CLASS lock is held, the slot is not yet retired
 ``classtab.mid_declare``    CLASSTAB held: an exact-fit class entry is complete (kind   class declaration
                             written), ``classes_version`` not yet bumped
-``init.mid_header``         INIT held: a creator has written magic and the superblock   creator dies mid-header
-                            body, the class table and ``state = ready`` are not written
+``create.lock_file``        a creator has made the lock file (O_EXCL), before INIT       creating: the lock file
+                                                                                         made, before INIT
+``init.mid_header``         INIT held: a creator has written magic and the superblock   creating: building the
+                            body (of its temporary file, or in place), the class table  pool; formatting in place
+                            and ``state = ready`` are not written
+``create.before_publish``   INIT held: the pool is built, READY, under its temporary    creating: building the
+                            name, not yet at its path                                   pool
+``create.published``        INIT held: the pool is at its path                          creating: published
 ``lock.held.INIT``          right after taking INIT (opening or creating a pool)        holding any lock
 ``lock.held.PROC``          right after taking PROC (N=1: attach, N=2: detach)          holding any lock
 ``lock.held.CLASSTAB``      right after taking CLASSTAB (``declare_size``)              holding any lock
@@ -107,7 +113,10 @@ POINTS = (
     "slab.mid_free",
     "reap.mid",
     "classtab.mid_declare",
+    "create.lock_file",
     "init.mid_header",
+    "create.before_publish",
+    "create.published",
     "lock.held.INIT",
     "lock.held.PROC",
     "lock.held.CLASSTAB",

@@ -59,7 +59,9 @@ SUPERBLOCK_LAYOUT = record(
     ("doom_cursor", "<u4"),      # hint, no lock: next doom ring entry to write (section 6a)
     ("heals", "<u8"),            # PROC: processes that attached after losing their previous pool
     ("lock_boot", "S16"),        # INIT: boot id of the boot in which the lock file was made to name this pool
-    ("reserved_tail", "V3648"),
+    ("lock_dev", "<u8"),         # INIT: st_dev and st_ino of the lock file this pool was made (or adopted) with
+    ("lock_ino", "<u8"),
+    ("reserved_tail", "V3632"),
 )
 SUPERBLOCK_SIZE = SUPERBLOCK_LAYOUT.itemsize
 CHECKSUM_OFF = field_off(SUPERBLOCK_LAYOUT, "checksum")
@@ -74,6 +76,8 @@ FREE_FLOOR_OFF = field_off(SUPERBLOCK_LAYOUT, "free_floor")
 DOOM_CURSOR_OFF = field_off(SUPERBLOCK_LAYOUT, "doom_cursor")
 HEALS_OFF = field_off(SUPERBLOCK_LAYOUT, "heals")
 LOCK_BOOT_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_boot")
+LOCK_IDENTITY_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_dev")
+LOCK_IDENTITY = record_struct(SUPERBLOCK_LAYOUT, "lock_dev", "lock_ino")  # (0, 0): not recorded (an older pool)
 POOL_UUID_OFF = field_off(SUPERBLOCK_LAYOUT, "pool_uuid")  # read raw by whoever matches a lock file to its pool
 STATE_READY = 2
 

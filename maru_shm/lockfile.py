@@ -7,10 +7,11 @@ whose mode grants read and write to exactly the classes that may write the pool
 (`access.lock_file_mode`): a user who may only read the pool cannot open it (BRIEF invariant 10).
 
 Locks belong to an inode: processes locking two lock files of one pool would not exclude each other. So
-the creator makes the lock file (before the pool) and writes the pool's `pool_uuid` into it under INIT;
-an opener accepts only the lock file that names its pool, and no opener of a ready pool makes a new one,
-except for a pool whose lock file was made in an earlier boot, when no process can hold a lock on the
-lost one (FORMAT.md section 3, *The lock file*).
+the creator makes the lock file (before the pool), writes the pool's `pool_uuid` into it and the lock file's
+identity (`st_dev`, `st_ino`) into the pool's header under INIT; an opener accepts only the very file
+recorded there that names its pool (a copy has the bytes, never the identity), and no opener of a ready
+pool makes a new one, except for a pool whose lock file was made in an earlier boot, when no process can
+hold a lock on the lost one (FORMAT.md section 3, *The lock file*).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import uuid
 
 from .access import check_lock_file_reach, check_owner, lock_file_mode
 from .errors import LockFileError, PermissionDeniedError, StoreError
-from .format import LOCK_FILE_HEAD, LOCK_FILE_MAGIC
+from .format import (HEADER_READY_END, LOCK_FILE_HEAD, LOCK_FILE_MAGIC, LOCK_IDENTITY, LOCK_IDENTITY_OFF, LOCK_INIT,
+                     MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, U32)
+from .locks import ofd_trylock, ofd_unlock
 
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO at the path must not block the open
 _boot: bytes | None = None
@@ -67,11 +70,42 @@ def open_lock_file(path: str, is_device: bool, mode: int, *, allow_foreign_owner
             raise PermissionDeniedError(f"lock file {lock} of {path} is not a regular file; refusing it")
         check_owner(st, f"lock file {lock} of {path}", allow_foreign_owner, mode)
     except BaseException:
-        os.close(fd)
-        if made:
-            os.unlink(lock)
+        try:
+            if made:
+                remove_unused(fd, path, is_device)
+        finally:
+            os.close(fd)
         raise
     return fd, made
+
+
+def remove_unused(fd: int, path: str, is_device: bool) -> None:
+    """Remove the lock file `fd` is open on, which this process made for a pool it failed to create: only
+    holding INIT (no opener is then between taking INIT and using it; one that took it first keeps the file,
+    and a waiter finds it gone and starts again), only while it is still at its path and names no ready pool
+    at `path` (FORMAT.md section 2, *Creation*)."""
+    if not ofd_trylock(fd, LOCK_INIT):
+        return  # a creator holds INIT on it: the file is in use
+    try:
+        lock = lock_file_path(path, is_device)
+        if still_at(fd, lock) and not _names_the_ready_pool_at(fd, path):
+            os.unlink(lock)
+    finally:
+        ofd_unlock(fd, LOCK_INIT)
+
+
+def _names_the_ready_pool_at(fd: int, path: str) -> bool:
+    try:
+        pool = os.open(path, os.O_RDONLY | _FLAGS)
+    except OSError:
+        return False
+    try:
+        head = os.pread(pool, HEADER_READY_END, 0)
+    finally:
+        os.close(pool)
+    return (len(head) == HEADER_READY_END and head[:8] == MAGIC
+            and U32.unpack_from(head, STATE_OFF)[0] == STATE_READY
+            and names_pool(fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16]))
 
 
 _STUCK = ("processes attached to the pool may still hold their locks on the lost one, and an opener locking "
@@ -96,21 +130,37 @@ def fit_to_pool(fd: int, path: str, is_device: bool, pool_st: os.stat_result) ->
     check_lock_file_reach(st, pool_st, lock, path)
 
 
-def open_for_reading(path: str, is_device: bool, pool_uuid: bytes) -> int | None:
+def open_for_reading(path: str, is_device: bool, head: bytes) -> int | None:
     """A read-only descriptor of the pool's lock file for F_OFD_GETLK (liveness), or None where this user
-    cannot open it or it is not the lock file of this pool: then nobody's liveness is known."""
+    cannot open it or it is not the lock file of the pool whose header is `head`: then nobody's liveness is
+    known."""
     try:
         fd = os.open(lock_file_path(path, is_device), os.O_RDONLY | _FLAGS)
     except OSError:
         return None
-    if stat.S_ISREG(os.fstat(fd).st_mode) and names_pool(fd, pool_uuid):
+    if stat.S_ISREG(os.fstat(fd).st_mode) and serves(fd, head):
         return fd
     os.close(fd)
     return None
 
 
+def serves(fd: int, head: bytes) -> bool:
+    """Is this the lock file of the pool whose superblock is `head`: the file recorded in it (a pool made
+    before identities were recorded has none: then its contents alone), naming its pool?"""
+    recorded = LOCK_IDENTITY.unpack_from(head, LOCK_IDENTITY_OFF)
+    named = names_pool(fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16])
+    return named and (recorded == (0, 0) or identity(fd) == recorded)
+
+
+def identity(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of the file `fd` is open on. While any process is attached to a pool, its lock file
+    is open, so no other file of that file system, a copy included, can have these numbers."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
 def names_pool(fd: int, pool_uuid: bytes) -> bool:
-    """Is this the lock file the pool with this uuid was made (or adopted) with?"""
+    """Do this lock file's contents name the pool with this uuid (made or adopted for it, or a copy of such)?"""
     try:
         return os.pread(fd, LOCK_FILE_HEAD.size, 0) == LOCK_FILE_HEAD.pack(LOCK_FILE_MAGIC, pool_uuid)
     except OSError:

@@ -399,6 +399,12 @@ class LockTable:
             self._drop(fd, held, ids)
             raise
 
+    def marked_by_this_process(self) -> list[int]:
+        """Ids whose record carries this process's mark: held now by one of its threads, or left dirty by a
+        section of it that did not finish."""
+        recs = self._records()
+        return np.flatnonzero(recs[:, LOCK_COL_DIRTY] == (self.slot_plus1 or 0xFFFFFFFF)).tolist()
+
     def held_now(self) -> frozenset:
         """The lock ids the calling thread holds (or is taking or releasing) now: a public call's entry
         notes them, and `release_stranded` gives back the others if an exception ends the call."""

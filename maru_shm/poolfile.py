@@ -1,10 +1,9 @@
-"""Opening, creating and mapping the one file that is the pool.
+"""Opening and mapping the one file that is the pool, and creating it through creation.py.
 
-Regular files (normally under /dev/shm) are created with O_EXCL and sized with
-ftruncate; DAX character devices are used at their own size, read from
-sysfs, with 2 MiB alignment. The locks of both live in the pool's lock file
-(lockfile.py). Exactly one of several racing creators initialises the pool:
-whoever holds the INIT lock and finds the file uninitialised.
+Regular files (normally under /dev/shm) are built as a new file and published (creation.py); DAX character
+devices are used at their own size, read from sysfs, with 2 MiB alignment. The locks of both live in the
+pool's lock file (lockfile.py). Exactly one of several racing creators creates or formats the pool: whoever
+holds the INIT lock and finds no pool, or an unfinished one.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ import time
 
 from . import crashpoints as _cp
 from .access import check_mode, check_owner
-from .errors import (CorruptPoolError, LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError,
+from .errors import (LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError,
                      StoreError, TruncatedPoolError, VersionError)
-from .format import (CLASS_STRUCT, FLAG_DEVICE, FLAG_RELATIONS, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_INIT, MAGIC,
-                     POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
-from .lockfile import (boot_id, fit_to_pool, lock_file_path, missing_error, name_pool, names_pool, open_lock_file,
-                       still_at)
+from .creation import build_pool, format_pool, free_space
+from .format import (FLAG_DEVICE, FLAG_RELATIONS, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
+                     LOCK_INIT, MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
+from .lockfile import (boot_id, fit_to_pool, identity, lock_file_path, missing_error, name_pool, names_pool,
+                       open_lock_file, remove_unused, serves, still_at)
 from .locks import ofd_unlock, take_lock
-from .sizeclasses import planned_geometric
 from .sizes import format_size
 
 DAX_ALIGN = 2 << 20
@@ -79,18 +78,6 @@ class PoolFile:
                     os.close(fd)
 
 
-def _open_fd(path: str, create: bool, mode: int) -> tuple[int, bool]:
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-    if create:
-        try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode), True
-        except FileExistsError:
-            pass
-        except OSError as e:
-            _raise_open_error(path, e, "")
-    return open_existing(path, flags, missing_hint=_MISSING_HINT), False
-
-
 _MISSING_HINT = "; create it with Store.open(path, size=..., create=True) or `maru-shm create`"
 
 
@@ -107,9 +94,12 @@ def open_existing(path: str, flags: int, missing_hint: str = "") -> int:
         _raise_open_error(path, e, missing_hint)
 
 
+_EMPTY_PATH = "the pool path is empty; give a file path such as /dev/shm/maru_shm"
+
+
 def _raise_open_error(path: str, e: OSError, missing_hint: str):
     if not path:
-        raise StoreError("the pool path is empty; give a file path such as /dev/shm/maru_shm") from None
+        raise StoreError(_EMPTY_PATH) from None
     if e.errno == errno.ENOENT:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
@@ -126,9 +116,13 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
                    allow_foreign_owner: bool, plan_kwargs: dict) -> PoolFile:
     """Open (and if asked, create and initialise) the pool at `path` and map it.
 
-    A creator makes the lock file first, then the pool: a pool file never exists without one. INIT, held on
-    the lock file, decides who formats, and that the lock file is the one the pool was made with.
+    Creation is one protocol across the lock file and the pool file (creation.py): a pool file never exists
+    without its lock file, and INIT, held on the lock file, decides who creates or formats, and that the lock
+    file is the one the pool was made with. A look that a racing creator or `destroy` made stale (a file
+    removed or replaced before INIT was ours) starts again, within `timeout`.
     """
+    if not path:
+        raise StoreError(_EMPTY_PATH)
     if os.path.islink(path):
         raise PermissionDeniedError(f"{path} is a symlink; open the pool by its real path")
     if create:
@@ -136,8 +130,25 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
     is_device = is_device_path(path)
     if is_device:
         dax_size(path)  # a character device that is not DAX (/dev/null) is refused before its lock file is made
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _open_once(path, size, create, mode, deadline, timeout, allow_foreign_owner, plan_kwargs,
+                              is_device)
+        except _Stale as e:
+            if time.monotonic() > deadline:
+                raise StoreError(f"{e} while it was being opened, for {timeout:g} s; retry") from None
+        time.sleep(0.005)
+
+
+class _Stale(Exception):
+    """The pool file or the lock file was removed or replaced between the look and INIT: look again."""
+
+
+def _open_once(path: str, size: int | None, create: bool, mode: int, deadline: float, timeout: float,
+               allow_foreign_owner: bool, plan_kwargs: dict, is_device: bool) -> PoolFile:
     lock_path = lock_file_path(path, is_device)
-    fd, created, lock_fd, lock_made, ok, refused = -1, False, -1, False, False, False
+    fd, created, lock_fd, lock_made, ok = -1, False, -1, False, False
     try:
         fd = _open_if_there(path)
         if fd != -1:  # the pool's own rules first: what is refused is named as the pool
@@ -150,30 +161,42 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
         except LockFileError:
             _refuse_without_lock_file(fd, path)
             raise
-        if fd == -1:  # a creator: its lock file first, then the pool
-            fd, created = _open_fd(path, create, mode)
-            st = _checked(fd, path, is_device, allow_foreign_owner, mode)
-        if created and mode & 0o077:
-            os.fchmod(fd, mode)  # umask must not narrow a requested group mode
-            st = os.fstat(fd)
-        fit_to_pool(lock_fd, path, is_device, st)
-        deadline = time.monotonic() + timeout
+        if _cp.ARMED is not None and lock_made:
+            _cp.hit("create.lock_file")
+        if fd != -1:
+            fit_to_pool(lock_fd, path, is_device, st)
         while True:
             take_lock(lock_fd, LOCK_INIT, timeout, f"another process to initialise {path} (lock INIT)")
             if _cp.ARMED is not None:
                 _cp.hit_lock("INIT")
             try:
-                if not still_at(lock_fd, lock_path) or not (is_device or still_at(fd, path)):
-                    raise StoreError(f"{path} or its lock file {lock_path} was removed or replaced while it was "
-                                     "being opened; retry")
-                geo = _initialise_or_read(fd, lock_fd, path, is_device, size, create, plan_kwargs)
+                if not still_at(lock_fd, lock_path):
+                    raise _Stale(f"the lock file {lock_path} of {path} was removed or replaced")
+                if fd != -1 and not (is_device or still_at(fd, path)):
+                    raise _Stale(f"{path} was removed or replaced")
+                if fd == -1:
+                    fd = _open_if_there(path)  # a creator published it while this one waited for INIT
+                    if fd != -1:
+                        fit_to_pool(lock_fd, path, is_device, _checked(fd, path, is_device, allow_foreign_owner,
+                                                                       mode))
+                if fd == -1:
+                    try:
+                        fd, geo = build_pool(path, lock_fd, size, mode, plan_kwargs,
+                                             lambda st: fit_to_pool(lock_fd, path, is_device, st))
+                    except FileExistsError:
+                        raise _Stale(f"a file appeared at {path}") from None
+                    except OSError as e:
+                        _raise_open_error(path, e, "")
+                    created = True
+                else:
+                    geo = _initialise_or_read(fd, lock_fd, path, is_device, size, create, plan_kwargs)
                 break
             except _NotReady as e:
                 if time.monotonic() > deadline:
                     raise NotAPoolError(str(e)) from None
             finally:
                 ofd_unlock(lock_fd, LOCK_INIT)
-            time.sleep(0.005)  # a creator may be between O_EXCL and taking INIT
+            time.sleep(0.005)  # an empty file: a creator of another version may be between making it and INIT
         if not is_device:
             ensure_backed(fd, path, geo.file_size)
         mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -184,23 +207,16 @@ def open_pool_file(path: str, *, size: int | None, create: bool, mode: int, time
             raise StoreError(f"{path} changed while it was being opened; retry")
         ok = True
         return PoolFile(fd, lock_fd, mm, geo, path, is_device, created)
-    except (NotAPoolError, VersionError, CorruptPoolError, LockFileError, PermissionDeniedError, SizeMismatchError):
-        refused = True  # a refusal of what is there: anyone else opening it now is refused too
-        raise
     finally:
         if not ok:
-            pool_removed = False
-            if created and not is_device_path(path) and os.fstat(fd).st_size == 0:
-                os.unlink(path)  # we made this empty file and could not make it a pool
-                pool_removed = True
-            # A lock file we made goes with the pool we made, or when what is at the path was refused; not
-            # when formatting failed, since a racing opener may have opened it and may format the pool.
-            if lock_made and (pool_removed or refused) and still_at(lock_fd, lock_path):
-                os.unlink(lock_path)
-            if lock_fd != -1:
-                os.close(lock_fd)
-            if fd != -1:
-                os.close(fd)
+            try:
+                if lock_made:  # what this opener made and could not make a pool's: never another's
+                    remove_unused(lock_fd, path, is_device)
+            finally:
+                if lock_fd != -1:
+                    os.close(lock_fd)
+                if fd != -1:
+                    os.close(fd)
 
 
 def _open_if_there(path: str) -> int:
@@ -285,71 +301,34 @@ def _initialise_or_read(fd: int, lock_fd: int, path: str, is_device: bool, size:
     if is_device:
         file_size = actual
         plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE | FLAG_RELATIONS)
+    elif size is None:
+        raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
     else:
-        if size is None:
-            raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
         file_size = size
-        check_space(fd, path, file_size)
-    try:
-        geo = Geometry.plan(file_size, **plan_kwargs)
-    except ValueError as e:
-        raise StoreError(f"cannot create a pool at {path}: {e}") from None
-    name_pool(lock_fd, geo.pool_uuid)  # before READY: a ready pool always has its lock file
-    if not is_device:
-        _size_regular_file(fd, path, file_size)
-    _write_header(fd, geo, is_device)
-    return geo
+    return format_pool(fd, path, lock_fd, file_size, is_device, plan_kwargs)
 
 
 def _match_lock_file(fd: int, lock_fd: int, path: str, is_device: bool, head: bytes, create: bool) -> None:
-    """Holding INIT on a ready pool: the lock file must be the one the pool was made with, else an opener
-    would lock another file than the pool's processes. One made in an earlier boot is adopted by an opener
-    with `create` (no process of that boot lives to hold a lock on the lost one)."""
-    pool_uuid = head[POOL_UUID_OFF:POOL_UUID_OFF + 16]
-    if names_pool(lock_fd, pool_uuid):
+    """Holding INIT on a ready pool: the lock file must be the very file the pool was made with (its identity
+    recorded in the header, its contents naming the pool), else an opener would lock another file than the
+    pool's processes. A pool made before identities were recorded gets its lock file's now. One made in an
+    earlier boot is adopted by an opener with `create` (no process of that boot lives to hold a lock on the
+    lost one)."""
+    if serves(lock_fd, head):
+        if LOCK_IDENTITY.unpack_from(head, LOCK_IDENTITY_OFF) == (0, 0):
+            os.pwrite(fd, LOCK_IDENTITY.pack(*identity(lock_fd)), LOCK_IDENTITY_OFF)
         return
     now = boot_id()
     if create and any(now) and head[LOCK_BOOT_OFF:LOCK_BOOT_OFF + 16] != now:
-        name_pool(lock_fd, pool_uuid)
-        os.pwrite(fd, now, LOCK_BOOT_OFF)
+        name_pool(lock_fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16])
+        os.pwrite(fd, LOCK_IDENTITY.pack(*identity(lock_fd)), LOCK_IDENTITY_OFF)
+        os.pwrite(fd, now, LOCK_BOOT_OFF)  # last: an adoption cut short is done again
         return
+    if names_pool(lock_fd, head[POOL_UUID_OFF:POOL_UUID_OFF + 16]):
+        raise missing_error(path, is_device, "is not the file the pool was made with, though it has its bytes (a "
+                            "copy or a restore of it)")
     raise missing_error(path, is_device, "was removed or replaced while the pool may be in use"
                         if create else "is not the one the pool was made with")
-
-
-def free_space(fd: int) -> int:
-    """Bytes an unprivileged writer may still allocate on the file system holding fd."""
-    st = os.fstatvfs(fd)
-    return st.f_bavail * st.f_frsize
-
-
-def check_space(fd: int, path: str, file_size: int) -> None:
-    """Refuse, before touching the file, a size its file system cannot back (a tmpfs smaller than the
-    pool would otherwise deliver SIGBUS at the first write to an unbacked page)."""
-    have = free_space(fd) + os.fstat(fd).st_blocks * 512  # blocks this file already holds are reusable
-    if file_size > have:
-        raise StoreError(f"cannot create a pool of {_human(file_size)} at {path}: its file system has "
-                         f"{_human(have)} free; give a smaller size or make room (a tmpfs such as /dev/shm "
-                         "can be remounted larger: mount -o remount,size=... /dev/shm)")
-
-
-def _size_regular_file(fd: int, path: str, file_size: int) -> None:
-    """Magic first, then every page of the file allocated (posix_fallocate), so that no later store to
-    the mapping can meet an unbacked page. A creator killed in between leaves an empty file or our own
-    unfinished header; ENOSPC truncates the file back to empty and is reported with the free space."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, MAGIC, 0)
-    try:
-        os.posix_fallocate(fd, 0, file_size)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: size it sparse
-            os.ftruncate(fd, file_size)
-            return
-        os.ftruncate(fd, 0)
-        if e.errno == errno.ENOSPC:
-            raise StoreError(f"cannot create a pool of {_human(file_size)} at {path}: its file system ran out of "
-                             f"space ({_human(free_space(fd))} free); give a smaller size or make room") from None
-        raise StoreError(f"cannot allocate {_human(file_size)} for {path}: {e.strerror}") from None
 
 
 def ensure_backed(fd: int, path: str, file_size: int) -> None:
@@ -364,8 +343,8 @@ def ensure_backed(fd: int, path: str, file_size: int) -> None:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             return  # a file system without fallocate: nothing can be reserved ahead
         raise StoreError(
-            f"{path} is a pool of {_human(file_size)} whose memory is not all allocated, and allocating it "
-            f"failed ({e.strerror}; {_human(free_space(fd))} free on its file system): using it could kill "
+            f"{path} is a pool of {format_size(file_size)} whose memory is not all allocated, and allocating it "
+            f"failed ({e.strerror}; {format_size(free_space(fd))} free on its file system): using it could kill "
             "this process with SIGBUS; make room, or destroy it and create a smaller pool") from None
 
 
@@ -393,40 +372,6 @@ def regrow_truncated(fd: int, path: str, size: int, file_size: int) -> Truncated
     return TruncatedPoolError(
         f"{path} was truncated to {size} bytes under this process (the pool is {file_size} bytes): its contents "
         f"are gone and it was {grown}; close this store and open the pool again")
-
-
-def _human(n: int) -> str:
-    return format_size(n)
-
-
-def _write_header(fd: int, geo: Geometry, is_device: bool) -> None:
-    """Zero the header regions, write magic first, then the superblock and class table, state=READY last.
-
-    Magic goes first so that a creator killed at any later instruction leaves "our own unfinished
-    header" (magic, not ready), which the next create=True initialises again; with magic written
-    late, a crash after the superblock body left a file that was neither zero nor ours, and every
-    later open refused it as a foreign file.
-    """
-    mm = mmap.mmap(fd, geo.off_data, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        if is_device:  # a device is not zero-filled by ftruncate
-            chunk = 1 << 20
-            for off in range(0, geo.off_data, chunk):
-                n = min(chunk, geo.off_data - off)
-                mm[off:off + n] = bytes(n)
-        mm[0:8] = MAGIC
-        sb = geo.pack_superblock()
-        mm[8:len(sb)] = sb[8:]
-        if _cp.ARMED is not None:
-            _cp.hit("init.mid_header")
-        for cid, (kind, k, bsize, n) in enumerate(planned_geometric(geo.granule, geo.unit_size, geo.max_value)):
-            CLASS_STRUCT.pack_into(mm, geo.class_entry(cid), kind, k, bsize, n, 0, 0, 0, 0)
-        mm[LOCK_BOOT_OFF:LOCK_BOOT_OFF + 16] = boot_id()
-        U32.pack_into(mm, STATE_OFF, STATE_READY)
-        if is_device:
-            mm.flush()
-    finally:
-        mm.close()
 
 
 __all__ = ["PoolFile", "open_pool_file", "dax_size", "SUPERBLOCK_SIZE"]

@@ -31,7 +31,7 @@ from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNT
                      LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
                      MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
-                     SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
+                     SLOT_LOCK_BASE, SUPERBLOCK_SIZE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
 from .locks import lock_name, ofd_is_held
 from .lockfile import open_for_reading
 from .poolfile import dax_size, open_existing
@@ -102,7 +102,7 @@ class PoolView:
             mm = mmap.mmap(fd, geo.file_size, mmap.MAP_SHARED, mmap.PROT_READ)
             if Geometry.read(mm, geo.file_size) != geo:
                 raise StoreError(f"{path} changed while it was being opened; retry")
-            lock_fd = open_for_reading(path, is_device, geo.pool_uuid)  # None: liveness unknown
+            lock_fd = open_for_reading(path, is_device, bytes(mm[:SUPERBLOCK_SIZE]))  # None: liveness unknown
             if lock_fd is not None:
                 fds.append(lock_fd)
             return cls(mm, geo, path, lock_fd, is_device=is_device, fds=tuple(fds))

@@ -37,6 +37,7 @@ from .copyengine import CopyEngine, check_threads
 from .counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
 from .fence import CallFence
+from .cutcall import repair_left_dirty, settle_cut_call
 from .guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
 from .pieces import Pieces, buffer_address, writable_bytes
@@ -78,7 +79,7 @@ def _entry(method=None, *, owns_blocks: bool = False):
     own held (guard.release_stranded, LockTable.release_stranded), counts it out of the fence, and leaves
     no block untracked: a call that `owns_blocks` (a put, a delete) keeps a ledger of every block it makes
     ours (allocator/kept.py), and what the ledger still holds when an exception ends the call is settled
-    as a reaper settles a dead slot's blocks (`_settle_call`)."""
+    as a reaper settles a dead slot's blocks; then the call repairs every domain it left dirty (cutcall.py)."""
     if method is None:
         return functools.partial(_entry, owns_blocks=owns_blocks)
 
@@ -86,9 +87,11 @@ def _entry(method=None, *, owns_blocks: bool = False):
     def call(self, *args, **kwargs):
         locks, fence, token = self.att.locks, self._fence, object()
         before = locks.held_now()
+        admitted = False
         try:
             if self._forked or not fence.enter(token):
                 raise _refusal(self)
+            admitted = True
             if owns_blocks:
                 self._kept.begin()
             self.att.check_intact()
@@ -100,7 +103,9 @@ def _entry(method=None, *, owns_blocks: bool = False):
             release_stranded_guards()
             locks.release_stranded(before)
             if owns_blocks:
-                _settle_call(self)
+                settle_cut_call(self)
+            if admitted and not before:
+                repair_left_dirty(self)
             raise
         finally:
             # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
@@ -115,26 +120,6 @@ def _leave_call(store, owns_blocks: bool, token) -> None:
     if owns_blocks:
         store._kept.end()
     store._fence.leave(token)
-
-
-def _settle_call(store) -> None:
-    """An exception ended a call that owns blocks: settle what its ledger still holds, as a reaper settles a
-    dead slot's blocks (FORMAT.md section 9), without asking the index about blocks it cannot name (a put
-    that timed out on a shard lock frees its blocks at once). If that fails too (a lock timeout, a damaged
-    pool), they stay held, by the kept blocks' strays, until close()."""
-    kept = store._kept
-    blocks, unindexed = kept.held_by_call()
-    if not blocks:
-        return
-    try:
-        if store.att.damage is not None:
-            raise store.att.damage  # never write into a damaged mapping
-        store.reaper.settle(store.procs.slot, blocks, kept.held_elsewhere, unindexed)
-    except Exception:
-        kept.to_strays(blocks)
-    except BaseException:  # cut short itself (a second KeyboardInterrupt): what is left stays held
-        kept.to_strays(blocks)
-        raise
 
 
 def _refusal(store) -> PoolClosedError:

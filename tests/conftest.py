@@ -106,16 +106,21 @@ def reserve(store, info, keys, length: int) -> list[int]:
 
 
 def write_pool_image(path: str, image: bytes) -> None:
-    """Write a pool's bytes to a new file at `path`, with the lock file its header's pool_uuid names (a pool
-    is opened only with the lock file it was made with)."""
-    from maru_shm.format import POOL_UUID_OFF
-    from maru_shm.lockfile import lock_file_path, name_pool
+    """Write a pool's bytes to a new file at `path`, with the lock file its header's pool_uuid names, and that
+    lock file's identity in the header where the image has one (a pool is opened only with the very lock file
+    it was made with)."""
+    from maru_shm.format import LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF
+    from maru_shm.lockfile import identity, lock_file_path, name_pool
     for p, data in ((lock_file_path(path, False), None), (path, image)):
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             if data is None:
                 name_pool(fd, image[POOL_UUID_OFF:POOL_UUID_OFF + 16].ljust(16, b"\0"))
+                recorded = LOCK_IDENTITY.pack(*identity(fd))
             else:
+                end = LOCK_IDENTITY_OFF + LOCK_IDENTITY.size
+                if len(data) >= end and any(data[LOCK_IDENTITY_OFF:end]):
+                    data = data[:LOCK_IDENTITY_OFF] + recorded + data[end:]
                 os.write(fd, data)
         finally:
             os.close(fd)

@@ -5,8 +5,9 @@ face of maru_shm, and the backend's parts never reach back into its SGLang adapt
     L5  __main__ (`python -m maru_shm`), the one module that may import a client: it hands over to the CLI
     L4  the Store facade, checks and repair, read-only pool view, administration
     L3  the store's parts: attachment, process table, reaper, counters, the validity rule, read path,
-        write path, publication, put batches, batch lookup
-    L2  allocator/  index/  locks  access (who may open)  lockfile  poolfile  pieces  faultguard  fence  copyengine
+        write path, publication, put batches, batch lookup, what a call cut short leaves
+    L2  allocator/  index/  locks  access (who may open)  lockfile  creation  poolfile  pieces  faultguard  fence
+        copyengine
     L1  format (superblock, geometry, records, words, lock ids), size classes
     L0  errors, human sizes, crash points, idle cores, the copy plan, thread guards, record declarations, the lock wait
 
@@ -25,9 +26,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = {
     0: {"errors", "sizes", "crashpoints", "idlecores", "copyplan", "guard", "records", "lockwait"},
     1: {"format", "sizeclasses"},
-    2: {"allocator", "index", "locks", "access", "lockfile", "poolfile", "pieces", "faultguard", "fence", "copyengine"},
+    2: {"allocator", "index", "locks", "access", "lockfile", "creation", "poolfile", "pieces", "faultguard", "fence",
+        "copyengine"},
     3: {"attachment", "proctable", "reaper", "counters", "validity", "readpath", "writepath", "publish",
-        "putbatch", "resolve"},
+        "putbatch", "resolve", "cutcall"},
     4: {"store", "check", "checkrules", "livecheck", "poolview", "admin", "__init__"},
     5: {"__main__"},
 }

@@ -28,9 +28,10 @@ import textwrap
 
 import pytest
 
-from maru_shm import NotAPoolError, Store, crashpoints
+from maru_shm import NotAPoolError, SizeMismatchError, Store, StoreError, creation, crashpoints
 from maru_shm.format import FREE, LIVE, LOCK_IDS, LOCK_RECORD, META_STRUCT, U64, UNIT_HEAD
 from maru_shm.index import Index, key_digest
+from maru_shm.lockfile import lock_file_path
 from maru_shm.locks import lock_name
 
 from ..conftest import make_value
@@ -180,8 +181,8 @@ def recover(pool_path: str, expected: dict, missing=(), sizes=(SIZE,), fresh: bo
 ALL_POINTS = [
     "put.after_alloc", "put.after_relations", "alloc.mid_reuse", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
     "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid", "evict.block_mid",
-    "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "init.mid_header",
-    "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
+    "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "create.lock_file",
+    "init.mid_header", "create.before_publish", "create.published", "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
     "lock.held.SHARD", "lock.held.SLOT",
 ]
 
@@ -634,9 +635,56 @@ def test_lock_held_CLASSTAB(pool_path):
         assert_recovered(s, expected)
 
 
-def test_init_mid_header(pool_path):
-    """A creator dies half way through writing the header: the file is no pool yet; the next
-    create=True initialises it (no values can predate a pool's creation)."""
+# ---------------------------------------------------------------- creation (FORMAT.md section 2, *Creation*)
+
+def creation_leftovers(pool_path: str) -> list[str]:
+    """The named temporary files of creators of `pool_path` (creation.py) still in its directory."""
+    folder, name = os.path.split(pool_path)
+    return [n for n in os.listdir(folder) if n.startswith(f".{name}.maru-new-")]
+
+
+BUILDS = pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+
+
+def create_after_a_killed_creator(pool_path: str, point: str, named: bool, *, built: bool) -> None:
+    """A creator of an 8 MiB pool dies at `point` before its pool is at the path: there is no pool (an opener
+    without create=True is told so), only the lock file and, if it `built` under a temporary name (`named`:
+    a file system without unnamed files), that file; the next creator, of another size, makes its own pool
+    with that lock file and removes the leftover."""
+    run_child(pool_path, point, f"""
+        import maru_shm.creation
+        maru_shm.creation._UNNAMED = {not named}
+        Store.open(path, "8M", create=True)
+    """)
+    assert not os.path.lexists(pool_path)
+    assert os.path.exists(lock_file_path(pool_path, False))
+    assert bool(creation_leftovers(pool_path)) == (named and built)
+    with pytest.raises(StoreError, match="does not exist"):
+        Store.open(pool_path, timeout=0.2)
+    with Store.open(pool_path, "4M", create=True) as s:
+        assert s.created and s.geo.file_size == 4 << 20
+        expected = seed(s)
+        expected.update(exercise(s))
+        assert_recovered(s, expected)
+    assert creation_leftovers(pool_path) == []
+
+
+def test_create_lock_file(pool_path):
+    create_after_a_killed_creator(pool_path, "create.lock_file", False, built=False)
+
+
+@BUILDS
+def test_init_mid_header(pool_path, named, monkeypatch):
+    """A creator dies half way through writing the header of the pool it builds (unnamed, or named where
+    the file system has no unnamed files)."""
+    monkeypatch.setattr(creation, "_UNNAMED", not named)  # the next creator's way too
+    create_after_a_killed_creator(pool_path, "init.mid_header", named, built=True)
+
+
+def test_init_mid_header_in_place(pool_path):
+    """A creator formatting a file already at the path (here an empty one) dies half way through the header:
+    the file is no pool yet; the next create=True formats it (no values can predate a pool's creation)."""
+    open(pool_path, "wb").close()
     run_child(pool_path, "init.mid_header", """
         Store.open(path, "8M", create=True)
     """)
@@ -646,6 +694,31 @@ def test_init_mid_header(pool_path):
         expected = seed(s)
         expected.update(exercise(s))
         assert_recovered(s, expected)
+
+
+@BUILDS
+def test_create_before_publish(pool_path, named, monkeypatch):
+    monkeypatch.setattr(creation, "_UNNAMED", not named)
+    create_after_a_killed_creator(pool_path, "create.before_publish", named, built=True)
+
+
+def test_lock_held_INIT_creating(pool_path):
+    """A creator dies holding INIT before it built anything: the kernel drops INIT with the process."""
+    create_after_a_killed_creator(pool_path, "lock.held.INIT", False, built=False)
+
+
+@BUILDS
+def test_create_published(pool_path, named):
+    """The creator dies with its pool at the path, INIT still held: the pool is whole, with its lock file."""
+    run_child(pool_path, "create.published", f"""
+        import maru_shm.creation
+        maru_shm.creation._UNNAMED = {not named}
+        Store.open(path, "8M", create=True)
+    """)
+    assert creation_leftovers(pool_path) == []
+    with pytest.raises(SizeMismatchError):
+        Store.open(pool_path, "4M", create=True, timeout=1)
+    recover(pool_path, {})
 
 
 def test_lock_held_INIT(pool_path):

@@ -487,7 +487,8 @@ FORMAT_TABLES = [
         ("reserved_immutable", 168, 84), ("checksum", 252, 4), ("state", 256, 4), ("slab_hand", 260, 4),
         ("classes_version", 264, 4), ("reserved_268", 268, 4), ("retired", 272, 128), ("demand_epoch", 400, 4),
         ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("doom_cursor", 420, 4),
-        ("heals", 424, 8), ("lock_boot", 432, 16), ("reserved_tail", 448, 3648)]),
+        ("heals", 424, 8), ("lock_boot", 432, 16), ("lock_dev", 448, 8), ("lock_ino", 456, 8),
+        ("reserved_tail", 464, 3632)]),
     ("LOCK_LAYOUT", 8, [("dirty", 0, 4), ("op", 4, 4)]),
     ("CLASS_LAYOUT", 64, [
         ("kind", 0, 4), ("slab_units", 4, 4), ("block_size", 8, 8), ("blocks_per_slab", 16, 4),

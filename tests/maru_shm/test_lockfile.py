@@ -7,6 +7,9 @@ invariant 10), and a pool is only ever locked through the one lock file it was m
 - A missing or replaced lock file is refused with LockFileError (an opener locking another file would not
   exclude the pool's processes); `destroy --force` removes both files, and creation makes both again. A
   lock file made in an earlier boot is adopted by an opener with create=True.
+- A lock file is known by its identity (st_dev, st_ino, recorded in the pool's header), not only its bytes:
+  a byte-identical copy moved over it while two writers use the original is refused by openers, repair and
+  destroy, and nobody is reaped.
 - The lock file's mode follows the pool's: only the pool's writers may reach it.
 
 The second user is a forked child that drops to an unused uid/gid (we run as root in CI).
@@ -17,13 +20,15 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import shutil
 import stat
 
 import pytest
 
 from maru_shm import (LockFileError, PermissionDeniedError, PoolView, Store, VersionError, check_pool, destroy_pool,
+                      repair_pool,
                       pool_report)
-from maru_shm.format import LOCK_BOOT_OFF, LOCK_FILE_HEAD, POOL_UUID_OFF, U32
+from maru_shm.format import LOCK_BOOT_OFF, LOCK_FILE_HEAD, LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF, U32
 from maru_shm.lockfile import lock_file_path
 from maru_shm.poolview import processes
 
@@ -179,6 +184,91 @@ def test_a_lock_file_of_an_earlier_boot_is_adopted_by_a_creator(pool_path):
         assert s.get("k") == b"v" and not s.created
     with Store.open(pool_path, timeout=TIMEOUT) as s:
         assert s.get("k") == b"v" and s.check().ok
+    _copy_over(_lock(pool_path))  # the adopted file is known by its identity from then on
+    with pytest.raises(LockFileError, match="copy or a restore"):
+        Store.open(pool_path, timeout=TIMEOUT)
+
+
+def _keep_writing(path, ready_w, tag):
+    """Child: attach, say so, then put and read back until killed (a put that raises ends the child with 1)."""
+    s = Store.open(path, timeout=TIMEOUT)
+    os.write(ready_w, b"x")
+    i = 0
+    while True:
+        key = f"{tag}{i % 40}"
+        assert s.put(key, make_value(key, i, 3000))
+        assert check_value(key, s.get(key))
+        i += 1
+
+
+def _copy_over(path):
+    """cp then mv: a file with the same bytes (and mode) takes the lock file's name; the original lives on,
+    unlinked, open in the writers."""
+    shutil.copy2(path, path + ".copy")
+    os.rename(path + ".copy", path)
+
+
+def test_a_copy_of_the_lock_file_moved_over_it_is_refused_while_writers_use_the_original(pool_path, children):
+    """Bug: openers accepted the copy (its contents name the pool) and locked another inode than the writers:
+    critical sections overlapped, the reaper retired both live writers' slots, and check --repair "fixed"
+    what the writers were doing."""
+    with Store.open(pool_path, "8M", create=True, timeout=TIMEOUT):
+        pass
+    r, w = os.pipe()
+    writers = [children.fork(_keep_writing, pool_path, w, tag) for tag in "ab"]
+    os.close(w)
+    got = b""
+    while len(got) < 2:
+        got += os.read(r, 2)
+    os.close(r)
+    _copy_over(_lock(pool_path))
+    for create in (False, True):
+        with pytest.raises(LockFileError, match="copy or a restore.*destroy --force"):
+            Store.open(pool_path, create=create, timeout=TIMEOUT)
+    with pytest.raises(LockFileError, match="copy or a restore"):
+        repair_pool(pool_path, timeout=TIMEOUT)
+    with pytest.raises(LockFileError, match="copy or a restore"):
+        destroy_pool(pool_path)
+    with PoolView.open(pool_path) as v:  # liveness unknown: the copy carries nobody's locks
+        assert [p["alive"] for p in processes(v)] == [None, None] and not v.sees_locks
+    assert [os.waitpid(pid, os.WNOHANG) for pid in writers] == [(0, 0), (0, 0)]  # both still writing
+    for pid in writers:
+        children.kill(pid)
+    with PoolView.open(pool_path) as v:
+        assert len(processes(v)) == 2  # nobody was reaped
+    assert len(destroy_pool(pool_path, force=True)) == 2  # named: their liveness cannot be known
+    assert not os.path.lexists(pool_path) and not os.path.lexists(_lock(pool_path))
+
+
+def test_a_lock_file_restored_from_a_copy_is_refused_but_one_rewritten_in_place_is_not(pool_path, tmp_path):
+    """A restore that makes a new file (a copy moved back, an rsync) is refused even with no process
+    attached, since the original's identity is gone; one written back into the same file is that file."""
+    with Store.open(pool_path, "4M", create=True, timeout=TIMEOUT) as s:
+        assert s.put("k", b"v")
+    backup = tmp_path / "lock.bak"
+    shutil.copy2(_lock(pool_path), backup)
+    shutil.copyfile(backup, _lock(pool_path))  # into the same inode
+    with Store.open(pool_path, timeout=TIMEOUT) as s:
+        assert s.get("k") == b"v"
+    os.unlink(_lock(pool_path))
+    shutil.copy2(backup, _lock(pool_path))  # a new file with the old bytes
+    for create in (False, True):
+        with pytest.raises(LockFileError, match="copy or a restore"):
+            Store.open(pool_path, create=create, timeout=TIMEOUT)
+
+
+def test_a_pool_made_before_lock_file_identities_records_its_lock_files_at_the_next_open(pool_path):
+    with Store.open(pool_path, "4M", create=True, timeout=TIMEOUT):
+        pass
+    fd = os.open(pool_path, os.O_RDWR)
+    os.pwrite(fd, bytes(LOCK_IDENTITY.size), LOCK_IDENTITY_OFF)  # as the previous version left it
+    with Store.open(pool_path, timeout=TIMEOUT):
+        st = os.stat(_lock(pool_path))
+        assert LOCK_IDENTITY.unpack(os.pread(fd, LOCK_IDENTITY.size, LOCK_IDENTITY_OFF)) == (st.st_dev, st.st_ino)
+    os.close(fd)
+    _copy_over(_lock(pool_path))
+    with pytest.raises(LockFileError, match="copy or a restore"):
+        Store.open(pool_path, timeout=TIMEOUT)
 
 
 def test_a_pool_of_the_previous_format_is_refused_with_re_create(pool_path):

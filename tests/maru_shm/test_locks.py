@@ -674,9 +674,11 @@ def test_an_interrupt_at_any_line_of_the_lock_layer_leaves_no_lock_held(open_sto
         assert [p for p in report.problems if "left dirty" not in p] == [], report.problems
 
 
-def test_a_repair_cut_short_leaves_every_domain_dirty(open_store, pool_path, monkeypatch):
+def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open_store, pool_path, monkeypatch):
     """Bug: check(repair=True) released every lock it held clean whatever ended it: an exception inside the
-    repair (KeyboardInterrupt) cleared the dirty mark of a domain a dead holder had left, unrepaired."""
+    repair (KeyboardInterrupt) cleared the dirty mark of a domain a dead holder had left, unrepaired. Now the
+    marks stay when the locks are given back, and the cut call, before its exception leaves the store, is
+    the next holder of each: the domain is repaired, then the mark cleared."""
     import maru_shm.check as check_mod
 
     s = open_store("4M")
@@ -690,14 +692,14 @@ def test_a_repair_cut_short_leaves_every_domain_dirty(open_store, pool_path, mon
     def interrupted(store, classes):
         raise KeyboardInterrupt("inside the repair")
     monkeypatch.setattr(check_mod, "_repair_all", interrupted)
+    repaired = []
+    real = s.publisher.repair_shard_lock
+    monkeypatch.setattr(s.publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
     with pytest.raises(KeyboardInterrupt):
         s.check(repair=True)
     assert _a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()
-    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0
-    calls = []
-    with s.locks.hold(lock_id, repair=lambda: calls.append(1)):
-        pass
-    assert calls == [1]  # the next holder repairs it
+    assert lock_id in repaired
+    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] == 0 and s.locks.marked_by_this_process() == []
 
 
 # ---------------------------------------------------------------- fork() (FORMAT.md invariant 4)

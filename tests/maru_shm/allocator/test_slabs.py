@@ -730,9 +730,10 @@ def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open
     assert s.check().ok
 
 
-def test_a_slab_move_cut_short_leaves_the_donor_class_dirty(open_store, monkeypatch):
+def test_a_slab_move_cut_short_repairs_the_donor_class(open_store, monkeypatch):
     """Bug: a slab move gave back the donor classes' locks clean even when an exception (KeyboardInterrupt)
-    cut their eviction short, so a half-emptied donor slab was never repaired. Their marks now stay."""
+    cut their eviction short, so a half-emptied donor slab was never repaired. Their marks now stay, and the
+    cut call, as the next holder of every lock it left dirty, repairs the donor class before it raises."""
     from maru_shm.allocator.slabmover import SlabMover
     from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
 
@@ -744,10 +745,13 @@ def test_a_slab_move_cut_short_leaves_the_donor_class_dirty(open_store, monkeypa
     def interrupted(self, slabs):
         raise KeyboardInterrupt("inside the donor's eviction")
     monkeypatch.setattr(SlabMover, "evict_slabs", interrupted)
+    repaired = []
+    real = s.alloc.repair_class
+    monkeypatch.setattr(s.alloc, "repair_class", lambda c: (repaired.append(c), real(c)))
     with pytest.raises(KeyboardInterrupt):
         s.put("large", make_value("large", 1, 200 * KiB))  # the taker has no slab: a donor slab must move
     rec = s.geo.off_locks + (CLASS_LOCK_BASE + donor.cid) * LOCK_RECORD.size
-    assert LOCK_RECORD.unpack_from(s.mm, rec)[0] != 0  # its next holder repairs the class
+    assert donor.cid in repaired and LOCK_RECORD.unpack_from(s.mm, rec)[0] == 0
     monkeypatch.undo()
     assert s.put("large", make_value("large", 1, 200 * KiB)) and s.get("large") == make_value("large", 1, 200 * KiB)
     assert_clean(s)
