@@ -10,6 +10,12 @@ what each one tells about its contents and evictions.
             metrics count evicted keys (a page is one key per K and V buffer, or one).
   maru      MaruStorage on one pool file of the budget's size; its counters count evicted values.
 Counters are read without attaching to the pool (a read-only view), so reading them never reaps a slot.
+
+Emptying between runs is SGLang's /hicache/storage-backend/clear, each backend's own clear(). HiCacheFile
+deletes its files and Mooncake removes every object not under a read lease (cleared again until none is
+left). MaruStorage retires its key namespace: nothing is reachable at once, but the pages stay, counted
+as entries, until eviction reclaims them, so a bounded pool starts its second run full of retired pages
+(evicted as needed, and counted as evictions) where the others start empty.
 """
 
 from __future__ import annotations
@@ -71,6 +77,13 @@ class L3:
         if self.name == "mooncake":
             return {"l3": "mooncake", "l3_config": {**self.cluster.settings, "global_segment_size": 0}}
         return {"l3": "none"}
+
+    def left_after_clear(self) -> int | None:
+        """Entries still reachable after a clear: 0 when empty, None where it cannot be counted (MaruStorage:
+        its clear() makes every page unreachable at once, and its entries stay until evicted)."""
+        if self.name in ("none", "maru"):
+            return 0 if self.name == "none" else None
+        return self.counters()["entries"]
 
     def counters(self) -> dict:
         """{"evictions", "entries", "bytes"} as this tier counts them; None where it has no such count."""

@@ -56,16 +56,19 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def empty_l3(deployment, l3, timeout: float = 60) -> int:
+def empty_l3(deployment, l3, timeout: float = 60) -> int | None:
     """Clear the L3 until it reads empty (Mooncake keeps an object for a lease after a read, so one clear
-    may leave some); returns what was left at the deadline (0: empty). Device and host caches are flushed
-    first: a backup in flight would write into the emptied store."""
+    may leave some); returns what was left at the deadline (0: empty; None: not countable, see
+    tools/l3backends.py). Device and host caches are flushed first: a backup in flight would write into
+    the emptied store."""
     deployment.flush()
+    if l3.name == "none":
+        return 0
     deadline = time.monotonic() + timeout
     while True:
         deployment.clear_l3()
-        left = l3.counters()["entries"] or 0
-        if left == 0 or time.monotonic() > deadline:
+        left = l3.left_after_clear()
+        if not left or time.monotonic() > deadline:
             return left
         time.sleep(1.0)
 

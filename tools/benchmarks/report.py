@@ -321,7 +321,8 @@ def render_serving_kill(r: dict) -> list[str]:
         f"survivor after the kill: {r['b_routed_after_kill']} requests, cached tokens {r['b_cached_after_kill']}",
         f"serving-kill pool after the kill: A's scheduler(s) {r['a_pids']} listed dead {r['dead_listed_after_kill']}, "
         f"reaped by the survivor before the restart {r['reaped_before_restart'] or 'none'}; the check's reapable: "
-        f"{r['reapable_after_kill'] or 'none'}",
+        f"{len(r['reapable_after_kill'])} item(s); after the kill (s: pid, state, slot) "
+        f"{[(x['t_s'], x['pids']) for x in r['kill_timeline']]}",
         f"serving-kill after the restart: dead or A's processes left {r['dead_after_restart'] or 'none'}, live check "
         f"{'clean' if not r['live_check_after_restart'] else r['live_check_after_restart']}",
         f"serving-kill restarted server, tokens from L3 per subset prompt {r['restarted_storage']}; subset tokens = "

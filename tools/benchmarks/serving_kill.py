@@ -55,17 +55,29 @@ def _pids(procs: list[dict]) -> set[int]:
     return {p["pid"] for p in procs}
 
 
-def _wait_gone(pids: list[int], timeout: float = 30) -> None:
-    """Until every pid has exited: a killed group's processes finish dying after its leader is reaped."""
-    def running(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
+def _state(pid: int) -> str:
+    """The kernel's state letter of `pid` ("Z": exited, not yet waited for), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(running(pid) for pid in pids):
+
+def _watch_slots(pool: str, pids: list[int], timeout: float = 30) -> list[dict]:
+    """From the kill on, every change of the killed schedulers' process states and of their pool slots
+    (alive / dead / reaped), until every one has exited and its slot reads dead or reaped."""
+    t0, seen, out = time.monotonic(), None, []
+    while True:
+        listed = {p["pid"]: p["alive"] for p in _pool_processes(pool)}
+        now = [(pid, _state(pid), "reaped" if pid not in listed else ("alive" if listed[pid] else "dead"))
+               for pid in pids]
+        if now != seen:
+            out.append({"t_s": round(time.monotonic() - t0, 2), "pids": now})
+            seen = now
+        done = all(st in ("Z", "gone") and slot != "alive" for _, st, slot in now)
+        if done or time.monotonic() - t0 > timeout:
+            return out
         time.sleep(0.05)
 
 
@@ -110,7 +122,7 @@ def kill_under_load(args, progress=lambda frac, note="": None) -> dict:
                     b_routed, b_cached = dep.forwarder.routed[b.url], _cached(b)
                     dep.kill(0)
                     out["killed_after_routed"] = sum(dep.forwarder.routed.values())
-                    _wait_gone(a_pids)
+                    out["kill_timeline"] = _watch_slots(l3.pool, a_pids)
                     out["after_kill"] = _pool_processes(l3.pool)
                     out["reapable_after_kill"] = check_pool(l3.pool).to_reap
                     run = client.finish()
