@@ -14,7 +14,6 @@ without AMX SGLang applies no thread binding, whatever SGLANG_CPU_OMP_THREADS_BI
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 from .roundrobin import RoundRobin
 from .serving import Server, ServerSpec
@@ -59,26 +58,18 @@ def _start_all(spec: ServerSpec, names: list[str], log_dir: str, timeout: float)
 
 
 def _start_side_by_side(spec: ServerSpec, names: list[str], log_dir: str, timeout: float) -> list[Server]:
-    """Start servers side by side (each waits for its own readiness); all or none."""
-    out: dict[str, Server] = {}
-    errors: list[BaseException] = []
-
-    def one(name):
-        try:
-            out[name] = Server(spec, name, log_dir, start_timeout=timeout)
-        except BaseException as e:  # reported below, after the others are started or failed
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in out.values():
+    """Start servers side by side, then wait for each; all or none (an interrupt stops those started)."""
+    servers: list[Server] = []
+    try:
+        for name in names:
+            servers.append(Server(spec, name, log_dir, start_timeout=timeout, wait=False))
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
             s.stop()
-        raise errors[0]
-    return [out[n] for n in names]
+        raise
+    return servers
 
 
 class Deployment:

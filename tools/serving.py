@@ -182,7 +182,9 @@ def cores_per_rank(ranks: int) -> str:
 class Server:
     """One SGLang server process (its own process group) and a small client for it."""
 
-    def __init__(self, spec: ServerSpec, name: str, log_dir: str | None = None, start_timeout: float = 300):
+    def __init__(self, spec: ServerSpec, name: str, log_dir: str | None = None, start_timeout: float = 300,
+                 wait: bool = True):
+        """Start the server; with `wait` (the default) return once it answers /health, else call wait_ready."""
         self.spec, self.name = spec, name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -191,8 +193,13 @@ class Server:
         self.proc = subprocess.Popen(spec.argv(self.port), env=spec.env(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.shm_files: set[str] = set()
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until the server answers /health; stopped, and the failure raised, if it exits or times out first."""
         try:
-            self._wait_ready(start_timeout)
+            self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise

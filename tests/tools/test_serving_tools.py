@@ -201,3 +201,43 @@ def test_cores_are_cut_into_one_set_per_rank(monkeypatch):
     assert cores_per_rank(2) == "0,2|5-6"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert cores_per_rank(2) == "0|0"
+
+
+# --------------------------------------------------------------------------- figures, report, chart
+def _cell(threads, backend, budget, ttft, tokens, same=(True, True)):
+    label = backend if budget is None else f"{backend} {budget >> 20}M"
+    med = {"ttft_mean_ms": ttft, "ttft_p50_ms": ttft * 0.9, "ttft_p99_ms": ttft * 2, "request_throughput": 1000 / ttft,
+           "input_throughput": 2e6 / ttft, "storage_tokens": tokens, "client_storage_tokens": tokens,
+           "hit_rate_pct": 80.0, "duration_s": 5.0, "evictions": 0 if budget else None}
+    check = {"prompts": 2} if backend == "none" else {"prompts": 2, "same": list(same)}
+    return {"topology": "dp", "threads": threads, "workload": "gsp", "seed": 1, "backend": backend, "budget": budget,
+            "label": label, "schedulers": 2, "runs": [], "median": med, "spread": {k: [v, v] for k, v in med.items()
+                                                                                   if v is not None},
+            "check": check, "texts_differ_from_none": None if backend == "none" else 0}
+
+
+def test_serving_figures_compare_maru_with_its_peers_and_the_contention_ratio(tmp_path):
+    from tools.benchmarks.charts import render_charts
+    from tools.benchmarks.report import render
+    from tools.benchmarks.serving_load import figures
+    G = 1 << 30
+    cells = [_cell("1", "none", None, 900, 0), _cell("1", "file", None, 500, 3000), _cell("1", "mooncake", G, 600, 3000),
+             _cell("1", "maru", G, 450, 3000), _cell("default", "file", None, 550, 3000),
+             _cell("default", "maru", G, 900, 2500, same=(True, False))]
+    figs = figures(cells)
+    by = {f["name"]: f for f in figs}
+    mean = by["serving dp threads=1 gsp seed 1: TTFT mean, maru 1024M vs file"]
+    assert mean["ours"] == 450 and mean["peer"] == 500 and mean["met"] is True
+    assert by["serving dp threads=1 gsp seed 1: TTFT mean, maru 1024M vs mooncake 1024M"]["met"] is True
+    assert by["serving dp threads=default gsp seed 1: tokens from L3, maru 1024M vs file"]["met"] is False
+    greedy = by["serving dp threads=default gsp seed 1: greedy subset, maru 1024M: tokens from L3 = recomputed"]
+    assert greedy["ours"] == 1 and greedy["met"] is False
+    ratio = by["serving dp gsp seed 1: TTFT mean, default threads / 1 thread, maru 1024M vs file"]
+    assert ratio["ours"] == pytest.approx(2.0) and ratio["peer"] == pytest.approx(1.1) and ratio["met"] is False
+    result = {"scenario": "serving", "model": "m", "repeat": 1, "skipped": None, "cells": cells, "figures": figs,
+              "workloads": [{"name": "gsp", "seed": 1, "groups": 3, "per_group": 6, "system_len": 2048,
+                             "question_len": 128}]}
+    text = render([result])
+    assert "dp (2 schedulers), threads 1, gsp seed 1:" in text and "maru 1024M" in text
+    doc = {"machine": {"cores": 2, "loadavg_at_end": [1.0, 1.0, 1.0], "time": "t"}, "results": [result]}
+    assert [p.rsplit("/", 1)[1] for p in render_charts(doc, str(tmp_path))] == ["serving.png"]

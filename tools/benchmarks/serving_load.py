@@ -106,10 +106,12 @@ def _prompts(w, run, model: str, work: str) -> list[str]:
     return benchclient.mooncake_prompts(w.trace, w.rounds, model, os.path.join(work, "home-prompts"))
 
 
-def cells_of_deployment(dep, l3, ws, args, model: str, work: str, tag: str, repeat: int, tick) -> list[dict]:
-    """Every workload's runs on one started deployment: one cell per workload and seed."""
+def cells_of_deployment(dep, l3, ws, args, model: str, work: str, tag: str, repeat: int, tick,
+                        prompts_cache: dict) -> list[dict]:
+    """Every workload's runs on one started deployment: one cell per workload and seed. `prompts_cache`
+    keeps each workload's greedy subset from one deployment to the next."""
     from ..loadrun import greedy_check, run_load, subset
-    cells, prompts_cache = [], {}
+    cells = []
     for w in ws:
         runs, texts, last = [], [], None
         for i in range(repeat):
@@ -152,7 +154,7 @@ def bench_serving(args) -> dict:
     progress = progress_of(args)
     repeat = max(1, min(args.repeat, MAX_REPEAT))
     work = tempfile.mkdtemp(prefix="maru-bench-serving-")
-    cells, skipped = [], []
+    cells, skipped, prompts_cache = [], [], {}
     try:
         base, model, what = model_spec(args, work)
         ws, skipped = workloads(args, work)
@@ -161,27 +163,32 @@ def bench_serving(args) -> dict:
         for n, (topology, threads, backend, budget) in enumerate(steps):
             tag = f"{topology}-{threads}-{backend}-{budget or 0}"
             progress(done / total, f"{tag}: starting")
-            if backend == "mooncake":
-                from ..mooncake_local import unavailable
-                if unavailable():
-                    skipped.append(f"mooncake: {unavailable()}")
-                    done += len(ws) * repeat
-                    continue
-            with L3(backend, budget, work, f"{n}") as l3:
-                spec = dataclasses.replace(base, **l3.spec_fields())
-                with Deployment(topology, threads, spec, work, tag) as dep:
-                    warm(dep)
+            first = done
 
-                    def tick():
-                        nonlocal done
-                        done += 1
-                        progress(done / total, tag)
-                    cells += cells_of_deployment(dep, l3, ws, args, model, work, tag, repeat, tick)
+            def tick():
+                nonlocal done
+                done += 1
+                progress(done / total, tag)
+            try:
+                if backend == "mooncake":
+                    from ..mooncake_local import unavailable
+                    if unavailable():
+                        raise RuntimeError(unavailable())
+                with L3(backend, budget, work, f"{n}") as l3:
+                    spec = dataclasses.replace(base, **l3.spec_fields())
+                    with Deployment(topology, threads, spec, work, tag) as dep:
+                        warm(dep)
+                        cells += cells_of_deployment(dep, l3, ws, args, model, work, tag, repeat, tick,
+                                                     prompts_cache)
+            except Exception as e:  # one cell's failure (a server that would not start) is reported, not fatal
+                lines = str(e).strip().splitlines() or [type(e).__name__]
+                skipped.append(f"{tag}: {type(e).__name__}: {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else ""))
+                done = first + len(ws) * repeat
     finally:
         if not getattr(args, "serving_keep", False):
             shutil.rmtree(work, ignore_errors=True)
     _compare_texts(cells)
-    return {"scenario": NAME, "model": what, "repeat": repeat, "skipped": sorted(set(skipped)) or None,
+    return {"scenario": NAME, "model": what, "repeat": repeat, "skipped": skipped or None,
             "workloads": [{"name": w.name, "seed": w.seed, **w.meta} for w in ws],
             "cells": [{k: v for k, v in c.items() if k != "texts"} for c in cells], "figures": figures(cells)}
 
@@ -220,7 +227,7 @@ def figures(cells: list[dict]) -> list[dict]:
                     met = None if ours is None or peer is None else (ours <= peer if better == "lower" else ours >= peer)
                     figs.append(figure(f"{where}: {label}, {c['label']} vs {p['label']}", ours, peer, p["label"],
                                        unit="ms" if key.endswith("_ms") else "", better=better,
-                                       spread=c["spread"].get(key), peer_spread=q["spread"].get(key),
+                                       spread=c["spread"].get(key), peer_spread=p["spread"].get(key),
                                        goal=f"{'<=' if better == 'lower' else '>='} {p['label']}", met=met))
         for c in group:
             same = c["check"].get("same")
