@@ -3,7 +3,8 @@
   dp    one launch_server with SGLang's data-parallel controller (--dp-size 2 --load-balance-method
         round_robin): two schedulers, each with its own HiCache and its own backend instance;
   pair  two launch_server processes of one scheduler each, behind tools/roundrobin.py, which hands
-        requests to them in turn as the DP controller does; a server can be killed and restarted;
+        requests to them in turn as the DP controller does (SGLang's client takes one --base-url, and two
+        clients would split the load's shared prefixes between them); a server can be killed and restarted;
   one   one launch_server, one scheduler: the reference.
 Threads: "1" gives every SGLang process one OpenMP thread (OMP_NUM_THREADS=1), one per core with two
 schedulers on two cores: the sane deployment. "default" leaves torch its default, a thread per core in
