@@ -37,7 +37,7 @@ def spec_for(base: ServerSpec, topology: str, threads: str) -> ServerSpec:
 
 
 HOST_MEMORY_REFUSAL = "Not enough host memory available"  # SGLang keeps 10 GiB of MemAvailable for the host
-HOST_MEMORY_TRIES, HOST_MEMORY_WAIT_S = 4, 30.0
+HOST_MEMORY_TRIES, HOST_MEMORY_WAIT_S = 8, 30.0
 
 
 def _start_all(spec: ServerSpec, names: list[str], log_dir: str, timeout: float) -> list[Server]:

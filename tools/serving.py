@@ -203,11 +203,12 @@ class Server:
         except BaseException:
             self.stop()
             raise
-        self.shm_files = sglang_shm_files(self.proc.pid)
+        self.shm_files |= sglang_shm_files(self.proc.pid)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.shm_files |= sglang_shm_files(self.proc.pid)  # also those of a start that fails
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server {self.name} exited with {self.proc.returncode} while starting; "
                                    f"its log, {self.log_path}, ends:\n{self.log_tail()}")
