@@ -3,8 +3,10 @@
 `run_load` empties every cache level first (each scheduler's device and host caches, and the L3, until the
 L3 reads empty), reads SGLang's counters and the L3's before and after the client, and keeps the client's
 own figures. Tokens from L3 are SGLang's count, `sglang:cached_tokens_total{cache_source="storage"}` from
-/metrics (per server), next to the sum the client saw in each reply's cached_tokens_details; per scheduler,
-pages prefetched from L3 come from `sglang:prefetch_pgs` (labelled by DP rank).
+/metrics (per server: the tokenizer process counts for all of a server's DP ranks), next to the sum the
+client saw in each reply's cached_tokens_details. Pages prefetched from and backed up to L3 come from
+`sglang:prefetch_pgs` and `sglang:backup_pgs`, labelled by DP rank where SGLang exports them (0.5.23 shows
+rank 0's only with --dp-size 2, and none for HiCacheFile).
 
 `greedy_check` sends a fixed subset of the run's prompts one at a time, greedy, to the last scheduler after
 flushing device and host caches (their KV then comes from L3), then again with the L3 emptied (recompute):
