@@ -107,11 +107,7 @@ class RoundRobin:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
             pass
         finally:
-            try:
-                await writer.drain()
-            except ConnectionError:
-                pass
-            writer.close()
+            writer.close()  # the transport sends what is buffered, then closes
 
     async def _relay(self, upstream: str, request: bytes, writer: asyncio.StreamWriter, generation: bool) -> bool:
         """Send `request` to `upstream` and copy its reply to `writer`; False if it refused the connection.
@@ -137,8 +133,13 @@ class RoundRobin:
         return True
 
     def close(self) -> None:
+        """Stop listening and end every connection still open (an idle keep-alive one, say)."""
         async def stop():
             self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
 
         if self._loop.is_running():

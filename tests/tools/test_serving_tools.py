@@ -241,3 +241,14 @@ def test_serving_figures_compare_maru_with_its_peers_and_the_contention_ratio(tm
     assert "dp (2 schedulers), threads 1, gsp seed 1:" in text and "maru 1024M" in text
     doc = {"machine": {"cores": 2, "loadavg_at_end": [1.0, 1.0, 1.0], "time": "t"}, "results": [result]}
     assert [p.rsplit("/", 1)[1] for p in render_charts(doc, str(tmp_path))] == ["serving.png"]
+
+
+def test_closing_ends_idle_connections_quietly(upstreams, capfd):
+    import socket
+    rr = RoundRobin([upstreams[0].url])
+    idle = socket.create_connection(("127.0.0.1", rr.port), timeout=10)  # connects and says nothing
+    _post(rr.url, {})
+    rr.close()
+    assert idle.recv(1) == b""  # closed by the forwarder
+    idle.close()
+    assert "Task was destroyed" not in capfd.readouterr().err
