@@ -1,12 +1,15 @@
 """SGLang servers (`python -m sglang.launch_server`) on one pool: the demo, the end-to-end test and bench.
 
-Each `Server` is SGLang's real HTTP server in its own process group: scheduler, radix cache, HiCache
+Each `Server` is SGLang's real HTTP server in its own process group: scheduler(s), radix cache, HiCache
 (write-through, L3 prefetch with `wait_complete`), model forward, detokenizer. Its L3 is MaruStorage
-(`--hicache-storage-backend dynamic`) or, for comparison, SGLang's own HiCacheFile (`file`).
+(`--hicache-storage-backend dynamic`) or, for comparison, SGLang's own HiCacheFile (`file`), SGLang's
+MooncakeStore (`mooncake`), or none (HiCache's host pool, L2, only). With `dp_size` > 1 it is SGLang's
+data-parallel controller, one scheduler per rank, each with its own HiCache and L3 backend instance.
 
-Without a GPU the model is a `Model`: a directory holding only a Llama `config.json`, served with dummy
-weights and no tokenizer, so requests carry input ids; tools/sglang_cpu.py supplies what SGLang's CPU
-path lacks. With a GPU, `--model` names a real model directory and `--device cuda` serves it as it is.
+Without a GPU the model is a `Model`: a directory holding a Llama `config.json`, served with dummy
+weights. Without a tokenizer requests carry input ids; with `text` the directory also holds the offline
+tokenizer of tools/wordtokenizer.py, which SGLang's benchmark client needs. tools/sglang_cpu.py supplies
+what SGLang's CPU path lacks. With a GPU, `--model` names a real model directory and `--device cuda` serves it as it is.
 """
 
 from __future__ import annotations
@@ -89,32 +92,62 @@ class Reply:
         return int(self.cached.get("storage", 0)) // page_size
 
 
+L3_BACKENDS = ("none", "file", "mooncake", "maru")
+
+
 @dataclass
 class ServerSpec:
     model_path: str
-    pool: str | None = None  # None: SGLang's HiCacheFile in file_dir
+    pool: str | None = None  # MaruStorage's pool file
     pool_size: str = "1G"
-    file_dir: str | None = None
+    file_dir: str | None = None  # HiCacheFile's directory
     device: str = "cpu"
     page_size: int = 16
     max_tokens: int = 20000  # the device KV pool
     dummy_weights: bool = True
     extra_args: tuple = ()
+    l3: str | None = None  # one of L3_BACKENDS; None: "maru" with a pool, else "file"
+    l3_config: dict | None = None  # "mooncake": SGLang's MooncakeStore extra config (master address, ...)
+    text: bool = False  # the model directory has a tokenizer: requests may carry text
+    dp_size: int = 1  # > 1: SGLang's data-parallel controller, round robin over the ranks
+    env_overrides: dict = field(default_factory=dict)  # name -> value, or None to remove it
+    metrics: bool = False  # --enable-metrics: /metrics in Prometheus text
+
+    @property
+    def backend(self) -> str:
+        return self.l3 or ("maru" if self.pool is not None else "file")
+
+    def _l3_argv(self) -> list[str]:
+        backend = self.backend
+        if backend == "maru":
+            return ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                    json.dumps(maru_extra_config(self.pool, self.pool_size))]
+        if backend == "mooncake":
+            return ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config",
+                    json.dumps(self.l3_config or {})]
+        if backend == "file":
+            return ["--hicache-storage-backend", "file"]
+        if backend == "none":
+            return []
+        raise ValueError(f"unknown L3 backend {backend!r}; one of {', '.join(L3_BACKENDS)}")
 
     def argv(self, port: int) -> list[str]:
-        backend = (["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                    json.dumps(maru_extra_config(self.pool, self.pool_size))] if self.pool is not None
-                   else ["--hicache-storage-backend", "file"])
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path, "--host", "127.0.0.1",
                 "--port", str(port), "--device", self.device, "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.max_tokens), "--random-seed", "1", "--skip-server-warmup",
                 "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-write-policy", "write_through",
                 "--hicache-mem-layout", "page_first_direct", "--hicache-storage-prefetch-policy", "wait_complete",
-                *backend, "--skip-tokenizer-init", "--log-level", "warning"]  # requests carry token ids
+                *self._l3_argv(), "--log-level", "warning"]
+        if not self.text:
+            argv.append("--skip-tokenizer-init")  # requests carry token ids
         if self.dummy_weights:
             argv += ["--load-format", "dummy"]
         if self.device == "cpu":
             argv += ["--hicache-io-backend", "direct", "--sleep-on-idle"]
+        if self.dp_size > 1:
+            argv += ["--dp-size", str(self.dp_size), "--load-balance-method", "round_robin"]
+        if self.metrics:
+            argv.append("--enable-metrics")
         return argv + list(self.extra_args)
 
     def env(self) -> dict:
@@ -122,15 +155,36 @@ class ServerSpec:
         if self.device == "cpu":
             from .sglang_cpu import engine_env
             env = engine_env(env)
+            if self.dp_size > 1:  # SGLang's CPU path asserts one core set per rank
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = cores_per_rank(self.dp_size)
         if self.file_dir is not None:
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.file_dir
+        for name, value in self.env_overrides.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = str(value)
         return env
+
+
+def cores_per_rank(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: this process's cores cut into contiguous sets, "0|1"
+    on two cores. With fewer cores than ranks, ranks share them round robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        return "|".join(str(cores[i % len(cores)]) for i in range(ranks))
+    size = len(cores) // ranks
+    sets = [cores[i * size:(i + 1) * size] for i in range(ranks)]
+    return "|".join(f"{s[0]}-{s[-1]}" if len(s) > 1 and s[-1] - s[0] == len(s) - 1 else ",".join(map(str, s))
+                    for s in sets)
 
 
 class Server:
     """One SGLang server process (its own process group) and a small client for it."""
 
-    def __init__(self, spec: ServerSpec, name: str, log_dir: str | None = None, start_timeout: float = 300):
+    def __init__(self, spec: ServerSpec, name: str, log_dir: str | None = None, start_timeout: float = 300,
+                 wait: bool = True):
+        """Start the server; with `wait` (the default) return once it answers /health, else call wait_ready."""
         self.spec, self.name = spec, name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -138,15 +192,23 @@ class Server:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(spec.argv(self.port), env=spec.env(), stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.shm_files: set[str] = set()
+        if wait:
+            self.wait_ready(start_timeout)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        """Until the server answers /health; stopped, and the failure raised, if it exits or times out first."""
         try:
-            self._wait_ready(start_timeout)
+            self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
+        self.shm_files |= sglang_shm_files(self.proc.pid)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.shm_files |= sglang_shm_files(self.proc.pid)  # also those of a start that fails
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server {self.name} exited with {self.proc.returncode} while starting; "
                                    f"its log, {self.log_path}, ends:\n{self.log_tail()}")
@@ -173,9 +235,14 @@ class Server:
             raise RuntimeError(f"server {self.name}: POST {path}: {e.code} {e.reason}: "
                                f"{e.read().decode(errors='replace')[:1000]}") from None
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 16, timeout: float = 600) -> Reply:
-        """Greedy decoding, streamed: TTFT is the time from sending the request to its first token."""
-        body = {"input_ids": input_ids, "stream": True,
+    def get(self, path: str, timeout: float = 30) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def generate(self, input_ids: list[int] | str, max_new_tokens: int = 16, timeout: float = 600) -> Reply:
+        """Greedy decoding, streamed: TTFT is the time from sending the request to its first token.
+        A str prompt is sent as text, for the server's tokenizer (a `text` spec)."""
+        body = {"text" if isinstance(input_ids, str) else "input_ids": input_ids, "stream": True,
                 "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
         t0 = time.perf_counter()
         ttft, last = None, None
@@ -213,8 +280,17 @@ class Server:
         with self._post("/hicache/storage-backend/clear") as r:
             r.read()
 
+    def kill(self) -> None:
+        """SIGKILL to every process of the server at once: a crash, not a shutdown."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
     def stop(self, timeout: float = 30) -> None:
-        """SIGTERM to the server's process group (SGLang's own shutdown), SIGKILL if it lingers."""
+        """SIGTERM to the server's process group (SGLang's own shutdown), SIGKILL if it lingers; then the
+        load-snapshot files SGLang leaves in /dev/shm are removed."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -228,6 +304,11 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)  # any child SGLang left behind
         except (ProcessLookupError, PermissionError):
             pass
+        for path in self.shm_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
         self._log.close()
 
     def __enter__(self):
@@ -235,6 +316,26 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def sglang_shm_files(pgid: int) -> set[str]:
+    """The /dev/shm/sglang_loads_* files that processes of group `pgid` hold open: SGLang's load snapshots,
+    which it never removes. Only a server's own files are named, not those of other servers on the host."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                target = os.readlink(os.path.join(fd_dir, fd))
+                if target.startswith("/dev/shm/sglang_loads_"):
+                    found.add(target)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def prompt(seed: int | str, length: int, vocab: int = DEMO_MODEL.vocab) -> list[int]:

@@ -60,7 +60,8 @@ def mha_llama(make_instance):
 
 _SLOW_FIRST = ("test_readme_demo_main_job", "test_two_processes_share_pages_and_strangers_see_none",
                "test_a_hybrid_sliding_window_model_through_sglangs_assembler",
-               "test_llama_pages_fill_the_pool_until_it_evicts", "test_sglangs_own_controller_across_two_processes")
+               "test_llama_pages_fill_the_pool_until_it_evicts", "test_sglangs_own_controller_across_two_processes",
+               "test_the_second_scheduler_loads_prefixes_from_the_pool_under_bench_serving")
 
 
 def pytest_collection_modifyitems(config, items):

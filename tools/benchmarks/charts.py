@@ -9,7 +9,10 @@ Writes, for the scenarios present in the results:
                    vs the peers (Maru 1 MiB chunks, fixed slots, power-of-two
                    classes);
   eviction.png     hit ratio vs pool size, ours vs exact LRU (data area bytes;
-                   our live bytes) and the textbook policies at our live bytes.
+                   our live bytes) and the textbook policies at our live bytes;
+  serving.png      TTFT under SGLang's own client per L3 backend (bars: mean,
+                   whiskers: min-max of the runs, dots: p99), one panel per
+                   workload, grouped by deployment and thread setting.
 Every chart carries the machine line (cores, load average) of the run.
 """
 
@@ -161,6 +164,53 @@ def chart_eviction(r: dict, doc: dict, path: str, note: str = "") -> str:
     return path
 
 
+SERVING_COLOURS = {"maru": OURS, "file": PEER2, "mooncake": PEER3, "none": PEER}
+
+
+def chart_serving(r: dict, doc: dict, path: str, note: str = "") -> str | None:
+    """TTFT per L3 backend: for each workload, bars per backend label within each (deployment, threads)."""
+    plt = _plt()
+    cells = r.get("cells") or []
+    panels = list(dict.fromkeys((c["workload"], c["seed"]) for c in cells))
+    if not panels:
+        return None
+    labels = list(dict.fromkeys(c["label"] for c in cells))
+    budget = {c["label"]: c["budget"] for c in cells}
+    largest = max([b for b in budget.values() if b] or [0])
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for ax, (wl, seed) in zip(axes[:, 0], panels):
+        mine = [c for c in cells if c["workload"] == wl and c["seed"] == seed]
+        groups = list(dict.fromkeys((c["topology"], c["threads"]) for c in mine))
+        width = 0.8 / max(1, len(labels))
+        for li, label in enumerate(labels):
+            xs, ys, lo, hi, p99 = [], [], [], [], []
+            for gi, g in enumerate(groups):
+                c = next((c for c in mine if (c["topology"], c["threads"]) == g and c["label"] == label), None)
+                if c is None or "ttft_mean_ms" not in c["median"]:
+                    continue
+                m, (a, b) = c["median"]["ttft_mean_ms"], c["spread"]["ttft_mean_ms"]
+                xs.append(gi - 0.4 + width * (li + 0.5))
+                ys.append(m)
+                lo.append(m - a)
+                hi.append(b - m)
+                p99.append(c["median"].get("ttft_p99_ms"))
+            backend = label.split()[0]
+            ax.bar(xs, ys, width * 0.9, yerr=[lo, hi], capsize=2, color=SERVING_COLOURS.get(backend, PEER),
+                   hatch="//" if budget[label] and budget[label] < largest else None, label=label, alpha=0.9)
+            ax.plot(xs, p99, ls="", marker="o", ms=3, color="#000000")
+        ax.set_xticks(range(len(groups)), [f"{t} threads={th}" for t, th in groups])
+        ax.set_ylabel("TTFT (ms)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_title(f"{wl} seed {seed}: TTFT mean per L3 (bars, min-max whiskers), p99 (dots); hatched: the "
+                     f"smaller pool", fontsize=9)
+        ax.legend(fontsize=7, ncols=min(6, len(labels)))
+    _footer(fig, doc, note)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render_charts(doc: dict, out_dir: str, note: str = "") -> list[str]:
     """Write every chart the results allow into out_dir; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
@@ -173,6 +223,10 @@ def render_charts(doc: dict, out_dir: str, note: str = "") -> list[str]:
         paths.append(u)
     if "eviction" in res and res["eviction"].get("points"):
         paths.append(chart_eviction(res["eviction"], doc, os.path.join(out_dir, "eviction.png"), note))
+    if "serving" in res and res["serving"].get("cells"):
+        sv = chart_serving(res["serving"], doc, os.path.join(out_dir, "serving.png"), note)
+        if sv:
+            paths.append(sv)
     return paths
 
 

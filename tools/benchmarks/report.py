@@ -81,6 +81,10 @@ def render(results: list[dict]) -> str:
             lines += render_e2e(r)
         elif r["scenario"] == "mixshift":
             lines += render_mixshift(r)
+        elif r["scenario"] == "serving":
+            lines += render_serving(r)
+        elif r["scenario"] == "serving-kill":
+            lines += render_serving_kill(r)
     return "\n".join(lines)
 
 
@@ -257,3 +261,73 @@ def render_prefixbounds(r: dict) -> list[str]:
             out.append(f"prefixbounds seed {seed} {run['replay']:<6} {run['ratio']:g}x: pages LRU {p['lru']:,} / "
                        f"unbounded {p['unbounded']:,}; gap won: {shares}")
     return out
+
+
+def _ms(med: dict, spread: dict, key: str) -> str:
+    if key not in med:
+        return "-"
+    lo, hi = spread[key]
+    return f"{med[key]:,.0f} [{lo:,.0f}-{hi:,.0f}]"
+
+
+def render_serving(r: dict) -> list[str]:
+    if r.get("skipped") and not r.get("cells"):
+        return [f"serving   skipped: {r['skipped']}"]
+    out = [f"serving   sglang.bench_serving against SGLang servers, {r['model']}; medians of {r['repeat']} run(s) "
+           f"[min-max]"]
+    if r.get("skipped"):
+        out.append(f"serving   left out: {'; '.join(r['skipped'])}")
+    for w in r["workloads"]:
+        shape = (f"{w['groups']} groups x {w['per_group']}, system {w['system_len']}, question {w['question_len']}"
+                 if w["name"] == "gsp" else f"{w['records']} records of {w['sessions']} sessions, {w['unique_blocks']} "
+                 f"unique hash ids, {w['rounds']} round(s) each")
+        out.append(f"serving   workload {w['name']} seed {w['seed']}: {shape}")
+    groups: dict = {}
+    for c in r["cells"]:
+        groups.setdefault((c["topology"], c["threads"], c["workload"], c["seed"]), []).append(c)
+    head = (f"  {'L3':<13} {'TTFT mean ms':>20} {'p50 ms':>20} {'p99 ms':>20} {'req/s':>6} {'in tok/s':>8} "
+            f"{'L3 tok':>7} {'client':>7} {'hit %':>6} {'evict':>6} {'greedy':>7} {'diff':>5}")
+    for (topo, threads, wl, seed), cells in groups.items():
+        n = cells[0]["schedulers"]
+        out.append(f"serving   {topo} ({n} scheduler{'s' if n > 1 else ''}), threads {threads}, {wl} seed {seed}:")
+        out.append(head)
+        for c in cells:
+            m, sp, ch = c["median"], c["spread"], c["check"]
+            greedy = f"{sum(ch['same'])}/{len(ch['same'])}" if "same" in ch else "ref"
+            diff = "-" if c.get("texts_differ_from_none") is None else str(c["texts_differ_from_none"])
+            ev = "-" if m.get("evictions") is None else f"{m['evictions']:,.0f}"
+            out.append(f"  {c['label']:<13} {_ms(m, sp, 'ttft_mean_ms'):>20} {_ms(m, sp, 'ttft_p50_ms'):>20} "
+                       f"{_ms(m, sp, 'ttft_p99_ms'):>20} {m['request_throughput']:>6.2f} {m['input_throughput']:>8,.0f} "
+                       f"{m['storage_tokens']:>7,.0f} {m['client_storage_tokens']:>7,.0f} {m.get('hit_rate_pct', 0):>6.1f} "
+                       f"{ev:>6} {greedy:>7} {diff:>5}")
+    out.append("serving   L3 tok: SGLang's cached_tokens_total{cache_source=storage} over the run; client: the sum "
+               "of the replies' cached_tokens_details; evict: the L3's evictions (maru values, mooncake keys; "
+               "HiCacheFile never evicts); greedy: subset prompts whose tokens from L3 equal the recomputed ones; "
+               "diff: load replies differing from L3 none's")
+    for f in r["figures"]:
+        if "default threads / 1 thread" in f["name"]:
+            out.append(f"serving   {f['name']}: x{f['ours']:.2f} vs x{f['peer']:.2f}; goal {f['goal']} {_met(f['met'])}")
+    return out
+
+
+def render_serving_kill(r: dict) -> list[str]:
+    if r.get("skipped"):
+        return [f"serving-kill skipped: {r['skipped']}"]
+    ld = r["load"]
+    return [
+        f"serving-kill two servers on one pool, {r['model']}; {r['requests']} requests, server A SIGKILLed after "
+        f"{r['killed_after_routed']} were routed",
+        f"serving-kill load: {ld['completed']} completed, {ld['failed']} failed (concurrency {r['concurrency']}); "
+        f"survivor after the kill: {r['b_routed_after_kill']} requests, cached tokens {r['b_cached_after_kill']}",
+        f"serving-kill pool after the kill: A's scheduler(s) {r['a_pids']} listed dead {r['dead_listed_after_kill']}, "
+        f"reaped by the survivor before the restart {r['reaped_before_restart'] or 'none'}; the check's reapable: "
+        f"{len(r['reapable_after_kill'])} item(s); after the kill (s: pid, state, slot) "
+        f"{[(x['t_s'], x['pids']) for x in r['kill_timeline']]}",
+        f"serving-kill after the restart: dead or A's processes left {r['dead_after_restart'] or 'none'}, live check "
+        f"{'clean' if not r['live_check_after_restart'] else r['live_check_after_restart']}",
+        f"serving-kill restarted server, tokens from L3 per subset prompt {r['restarted_storage']}; subset tokens = "
+        f"recomputed: {r['restarted_same_as_recompute']} (restarted), {r['check']['same']} (survivor)",
+        f"serving-kill completed load replies differing from a reference run: {r['replies_differing']} of "
+        f"{r['replies_compared']}; at the end {r['stats_at_end']}, check "
+        f"{'clean' if r['check_at_end']['ok'] else r['check_at_end']['problems']}",
+    ]

@@ -38,6 +38,19 @@ Scenarios (all by default; pick with --only):
             backend): time to first token at 512, 2048 and 8192 tokens for
             recompute, an L3 hit from MaruStorage and one from HiCacheFile on
             /dev/shm. Takes several minutes on a CPU.
+  serving   SGLang's own client (sglang.bench_serving) at load against 2
+            schedulers on one L3 (SGLang's DP controller; two servers behind
+            a round-robin forwarder) and 1, with 1 OpenMP thread per
+            scheduler and torch's default: TTFT mean/p50/p99, throughput and
+            tokens from L3 for no L3, HiCacheFile, MooncakeStore and
+            MaruStorage at equal pool bytes, two pool sizes, two workloads
+            (generated-shared-prefix; a cut of the Mooncake trace); a greedy
+            subset's tokens from L3 vs recomputed. An hour or more on a CPU:
+            narrow it with the --serving-* options.
+  serving-kill  two servers on one pool under bench_serving's load, one
+            SIGKILLed mid-run: the other keeps serving, the dead one's slot is
+            reaped, a restarted one serves from the pool, tokens agree, the
+            pool checks clean.
 The machine is shared and noisy: timed figures are the median of --repeat
 runs, with the spread (min-max) printed next to them. While it runs, a
 progress line goes to stderr when stderr is a terminal (never with --json).
@@ -55,13 +68,13 @@ import sys
 import time
 
 from . import (capacity, datapath, e2e, eviction, hybrid, lookup, mixed, mixshift, ops, prefixbounds, prefixtree, scaling,
-               tier2)
+               serving_kill, serving_load, tier2)
 from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
 SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, mixshift, prefixtree, prefixbounds,
-                    scaling, tier2, e2e)
+                    scaling, tier2, e2e, serving_load, serving_kill)
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -95,10 +108,58 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     g.add_argument("--e2e-device", default="cpu", help="cpu, or cuda with a GPU")
     g.add_argument("--e2e-dummy-weights", action="store_true",
                    help="serve --e2e-model's geometry with random weights (a config.json is enough)")
+    add_serving_args(p)
     g = p.add_argument_group("scaling")
     g.add_argument("--processes", default="1,2,4,8", type=_int_list, help="process counts (default 1,2,4,8)")
     g.add_argument("--duration", type=float, default=1.0, help="seconds per round and process count (default 1)")
     return p
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving, serving-kill")
+    g.add_argument("--serving-topologies", type=_names, help="dp, pair, one (default all)")
+    g.add_argument("--serving-threads", type=_names, help="1 (OMP_NUM_THREADS=1 per scheduler), default "
+                   "(torch's own) (default both)")
+    g.add_argument("--serving-backends", type=_names, help="none, file, mooncake, maru (default all)")
+    g.add_argument("--serving-workloads", type=_names, help="gsp, mooncake (default both)")
+    g.add_argument("--serving-pools", default="1G,96M", type=_size_list,
+                   help="budgets of the bounded L3s (maru, mooncake), comma separated (default 1G,96M: one holds "
+                        "the default workloads, one forces eviction)")
+    g.add_argument("--serving-seeds", type=_seed_list, help="client seeds, comma separated (default 1)")
+    g.add_argument("--serving-gsp", default=[3, 6, 2048, 128], type=_gsp_shape,
+                   help="generated-shared-prefix: groups,prompts per group,system prompt len,question len "
+                        "(default 3,6,2048,128)")
+    g.add_argument("--serving-trace", help="the Mooncake trace to cut (default shared/traces/mooncake_synthetic."
+                   "jsonl beside the checkout)")
+    g.add_argument("--serving-trace-cut", default=[6, 4, 12], type=_trace_cut,
+                   help="sessions,records per session,max hash ids per record of the cut (default 6,4,12)")
+    g.add_argument("--serving-mooncake-rounds", type=int, default=2, help="rounds per session (default 2)")
+    g.add_argument("--serving-output-len", type=int, default=4, help="output tokens per request (default 4)")
+    g.add_argument("--serving-rate", type=float, default=2.0, help="requests/s (gsp: Poisson; mooncake: the cut's "
+                   "spacing) (default 2)")
+    g.add_argument("--serving-concurrency", type=int, default=4, help="client's --max-concurrency (default 4)")
+    g.add_argument("--serving-check-prompts", type=int, default=3, help="greedy subset size (default 3)")
+    g.add_argument("--serving-model", help="a model directory with its tokenizer (default: the demo's dummy-weight "
+                   "Llama and an offline tokenizer)")
+    g.add_argument("--serving-device", default="cpu", help="cpu, or cuda with a GPU")
+    g.add_argument("--serving-dummy-weights", action="store_true", help="serve --serving-model with random weights")
+    g.add_argument("--serving-kill-after", type=float, default=0.35,
+                   help="serving-kill: share of the requests routed before the SIGKILL (default 0.35)")
+    g.add_argument("--serving-keep", action="store_true", help="keep the work directory (logs, client output)")
+
+
+def _gsp_shape(text: str) -> list[int]:
+    xs = _ints(text)
+    if len(xs) != 4 or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"expected groups,per group,system len,question len: {text!r}")
+    return xs
+
+
+def _trace_cut(text: str) -> list[int]:
+    xs = _ints(text)
+    if len(xs) != 3 or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"expected sessions,records per session,max hash ids: {text!r}")
+    return xs
+
 
 def _size_list(text: str) -> list[int]:
     from maru_shm import parse_size
