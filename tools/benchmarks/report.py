@@ -73,8 +73,6 @@ def render(results: list[dict]) -> str:
             lines += render_eviction(r)
         elif r["scenario"] == "prefixtree":
             lines += render_prefixtree(r)
-        elif r["scenario"] == "prefixbounds":
-            lines += render_prefixbounds(r)
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
         elif r["scenario"] == "e2e":
@@ -222,9 +220,10 @@ def render_prefixtree(r: dict) -> list[str]:
         for name, s in x["summary"].items():
             ab = "".join(f"; without {v}: x{a['mean']:.3f} (worst x{a['min']:.3f})" for v, a in s["ab"].items())
             ul = "n/a" if s["usable_live_min"] is None else f"{s['usable_live_min']:.3f}"
+            bel = f", Belady / LRU x{s['belady_vs_lru']['mean']:.3f}" if "belady_vs_lru" in s else ""
             out.append(f"prefixtree {sh} {name} ({s['cells']} cells): ours / plain CLOCK x{s['vs_clock']['mean']:.3f} "
                        f"(worst x{s['vs_clock']['min']:.3f}), ours / LRU x{s['vs_lru']['mean']:.3f} (worst "
-                       f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}; lowest "
+                       f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}{bel}; lowest "
                        f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; records / plain CLOCK "
                        f"x{s['records_vs_clock']['mean']:.3f} (worst x{s['records_vs_clock']['min']:.3f}); base / "
                        f"variant{ab}")
@@ -239,21 +238,7 @@ def _prefixtree_cells(m: dict) -> list[str]:
            f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions"]
     for run in m["runs"].values():
         o = run["ours"]
-        others = " / ".join(f"{k} {run[k]['tokens']:,}" for k in run
-                            if isinstance(run[k], dict) and k not in ("ours", "lru", "lru_held", "unbounded"))
-        out.append(f"  {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens ours "
-                   f"{o['tokens']:,} / {others} / LRU {run['lru']['tokens']:,} (held {run['lru_held']['tokens']:,}) / "
-                   f"unbounded {run['unbounded']['tokens']:,}; usable/live {o['usable_live']:.3f}, usable/file "
-                   f"{o['usable_file']:.3f}")
-    return out
-
-
-def render_prefixbounds(r: dict) -> list[str]:
-    out = []
-    for seed, b in r["by_seed"].items():
-        for run in b["runs"].values():
-            p, g = run["pages"], run["gap_share"]
-            shares = ", ".join(f"{name.replace('_', ' ')} {g[name]:+.2f}" for name in p if name not in ("lru", "unbounded"))
-            out.append(f"prefixbounds seed {seed} {run['replay']:<6} {run['ratio']:g}x: pages LRU {p['lru']:,} / "
-                       f"unbounded {p['unbounded']:,}; gap won: {shares}")
+        tokens = " / ".join(f"{k} {run[k]['tokens']:,}" for k in run if isinstance(run[k], dict))
+        out.append(f"  {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens {tokens}; "
+                   f"usable/live {o['usable_live']:.3f}, usable/file {o['usable_file']:.3f}")
     return out
