@@ -22,7 +22,7 @@ same pool file and moves pages directly between its host pool and the file.
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 - Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
-  Lineage, TwoTiers, SecondTier), which are given what they use and never call it.
+  TwoTiers, SecondTier), which are given what they use and never call it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from maru_shm import Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
-from .lineage import Lineage
 from .localtier import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit
@@ -72,8 +71,6 @@ class MaruStorage(HiCacheStorage):
         # extra host pools of hybrid models (v2 API); a v2 call's KV transfer goes to the KV pages' tier
         self.hybrid = HybridPools(self.local, store, self.keyspace, storage_config, self.is_writer,
                                   self.pool.declare, self.log_once)
-        self.lineage = Lineage(self.config.prefix_eviction, store, self.keyspace, self.hybrid,
-                               self.log_once)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
 
@@ -203,15 +200,13 @@ class MaruStorage(HiCacheStorage):
         """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
         if not host_indices_fit(self.mem_pool_host, host_indices, len(keys), partial(self.log_once, "batch_set_v1")):
             return [False] * len(keys)
-        seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
-        res = self.local_set_v1(keys, host_indices, seg.records(keys) if seg is not None else None)
-        self.lineage.stored(seg)
+        res = self.local_set_v1(keys, host_indices)
         if self.tiers is not None and keys and self.is_writer:
             return self.tiers.write_through(keys, host_indices, res)
         return res
 
-    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor, relations=None) -> List[bool]:
-        return self.local.set_v1(keys, host_indices, relations)
+    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        return self.local.set_v1(keys, host_indices)
 
     # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -255,9 +250,7 @@ class MaruStorage(HiCacheStorage):
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        seg = self.lineage.segment_v2(transfers, extra_info)
-        res = self.hybrid.batch_io_v2(transfers, write=True, segment=seg)
-        self.lineage.stored(seg)
+        res = self.hybrid.batch_io_v2(transfers, write=True)
         if self.tiers is None:
             return res
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)

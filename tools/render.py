@@ -138,8 +138,6 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
     out.append(Section("Space", pairs=[
         ("live payload", f"{size(sp['live_bytes'])} in {count(sp['live_blocks'])} blocks"),
         ("utilization", f"{pct(sp['utilization'])} of file, {pct(sp['data_utilization'])} of data"),
-        ("usable payload", f"{size(sp['usable_bytes'])}, {pct(sp['usable_utilization'])} of file "
-                           f"({size(sp['stranded_bytes'])} stranded)"),
         ("allocated", f"{size(sp['allocated_bytes'])} ({count(sp['reserved_blocks'])} reserved blocks)"),
         ("fragmentation", pct(sp["fragmentation"])),
         ("slabs", f"{count(sp['slabs'])} over {count(sp['slab_units'])} units"),

@@ -5,7 +5,6 @@
     kept         blocks kept for our next puts      reserve     allocation, making room
     release      freeing and its derived state      demand      POLICY: move a slab or evict within
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
-    relations    how values relate, the doom ring   (hints the block CLOCK orders its victims by)
     repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
 
 What only the layer above knows comes in through `host` (host.AllocatorHost).
@@ -21,16 +20,11 @@ from .freeruns import FreeRuns
 from .host import AllocatorHost
 from .kept import KeptBlocks, keep_limit
 from .locking import AllocatorLocks
-from .relations import Relations
 from .release import BlockRelease
 from .repair import Repairer
 from .reserve import Reserver
 from .slabmover import SlabMover
 from .slabtable import SlabTable
-
-# A reclaim frees what the dooms strand, and each value it frees dooms its segment's descendants in turn: it
-# repeats while its last round pushed dooms, at most this many rounds (a conversation's turns chain this deep).
-RECLAIM_ROUNDS = 8
 
 
 class Allocator:
@@ -46,10 +40,8 @@ class Allocator:
         self.demand = DemandPolicy(mm, geo)
         self.kept_blocks = KeptBlocks(self.metas, self.slabs)
         self.release = BlockRelease(host, self.locks, self.slabs, self.metas, self.kept_blocks)
-        self.relations = Relations(mm, geo)
-        self.clock = BlockClock(host, self.slabs, self.metas, self.release, self.relations)
-        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release,
-                               self.relations)
+        self.clock = BlockClock(host, self.slabs, self.metas, self.release)
+        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.repairer = Repairer(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.locks.repair_class = self.repairer.repair_class
         self.locks.repair_pool = self.repairer.repair_pool
@@ -70,7 +62,6 @@ class Allocator:
         self.slabs.release_views()
         self.metas.release_views()
         self.demand.release_views()
-        self.relations.release_views()
 
     # ---------------------------------------------------------------- views (numpy, over the mapping)
     states = property(lambda self: self.slabs.states)
@@ -111,27 +102,6 @@ class Allocator:
         return self.slabs.class_slabs(cid)
 
     # ---------------------------------------------------------------- eviction and free units
-    def reclaim_stranded(self) -> int:
-        """Free, in every class, the values a doom has stranded (relations.py); blocks freed.
-
-        Called by a writer whose allocation pushed dooms, holding no lock: a request whose page one class
-        evicted then leaves every pool at once, and the other classes' next writes find free blocks instead
-        of evicting further requests' pages. A class larger than STRANDED_SCAN blocks gives up one window
-        of slabs a round (blockclock.py); its next searches go on from there."""
-        freed = 0
-        nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
-        for _ in range(RECLAIM_ROUNDS):
-            cursor = self.relations.cursor()
-            for cid in self.relations.related_classes().tolist():
-                info = self.class_table.info(cid)
-                if info is None or not nslabs[cid]:
-                    continue
-                with self.locks.class_lock(info.cid):
-                    freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)
-            if self.relations.cursor() == cursor:
-                break
-        return freed
-
     def evict_blocks(self, info: ClassInfo, m: int) -> int:
         return self.clock.evict_blocks(info, m)
 

@@ -123,8 +123,6 @@ class Reserver:
                 self.slabs.format(u, info)
             if runs:
                 return True
-        if self.clock.evict_blocks(info, nblocks, stranded_only=True):
-            return True  # values that can no longer be a hit go before any slab move or CLOCK victim
         with self.locks.pool_lock():
             donors = self.demand.donors(info)
             if len(donors) and self.mover.move_slab(info, set(donors.tolist())):

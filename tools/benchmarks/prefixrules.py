@@ -1,9 +1,7 @@
 """The rules of the default eviction, each switched off for an A/B (`--prefixtree-ab`): what each one wins.
 
 A variant is a contestant with some rules replaced, in this process only, by what the store does without
-them; `all` switches every rule off at once. A rule of the relation records (RECORD_RULES) changes only a
-pool that writes them, so its variant runs with `maru_prefix_eviction: true` and is compared with that;
-the others (the CLOCK's count, the slab moves) change the default.
+them; `all` switches every rule off at once.
 """
 
 from __future__ import annotations
@@ -22,46 +20,6 @@ def _one_bit_ref():
         [(pages, "mark_offered_again", lambda store, digests, found=None: None)]
 
 
-def _no_order():
-    from maru_shm.allocator import blockclock
-    return [(blockclock, "_victim_order", lambda plain, rows, valid: plain)]
-
-
-def _no_parent_strand():
-    from maru_shm.allocator.relations import Relations
-    stranded_by = Relations._stranded_by
-
-    def by_group_only(self, rows, valid, ring):
-        by_group, by_parent = stranded_by(self, rows, valid, ring)
-        return by_group, np.zeros_like(by_parent)
-    return [(Relations, "_stranded_by", by_group_only)]
-
-
-def _no_trailing_doom():
-    from maru_shm.allocator.relations import TRAILING, Relations
-    doom = Relations.doom
-
-    def without_trailing(self, rows, by_parent):
-        keep = (rows["depth"] & TRAILING) == 0
-        return doom(self, rows[keep], by_parent[keep])
-    return [(Relations, "doom", without_trailing)]
-
-
-def _no_birth_doom():
-    from maru_sglang.lineage import Lineage
-    return [(Lineage, "stored", lambda self, seg: None)]
-
-
-def _no_stranded_search():
-    from maru_shm.allocator.blockclock import BlockClock
-    from maru_shm.allocator.facade import Allocator
-    evict = BlockClock.evict_blocks
-
-    def evict_blocks(self, info, m, stranded_only=False):
-        return 0 if stranded_only else evict(self, info, m)
-    return [(BlockClock, "evict_blocks", evict_blocks), (Allocator, "reclaim_stranded", lambda self: 0)]
-
-
 def _no_retention():
     """A class with a slab evicts its own blocks (a move only into a class with none, or when it finds no
     victim)."""
@@ -75,21 +33,8 @@ def _no_retention():
 
 RULES = {
     "count": _one_bit_ref,         # a hit raises the ref count to 2, a set marks the pages it offers again
-    "order": _no_order,            # a chunk's victims segment by segment, tail first
-    "parent": _no_parent_strand,   # a doom of a segment strands the segments continuing it
-    "trailing": _no_trailing_doom,  # losing a trailing pool's page (SWA, Mamba) dooms its whole segment
-    "birthdoom": _no_birth_doom,   # a segment written after its parent went is doomed at birth
-    "stranded": _no_stranded_search,  # stranded values searched for before a move or CLOCK victim, and reclaimed
     "retention": _no_retention,    # slab moves balance the classes' retention
 }
-
-
-RECORD_RULES = {"order", "parent", "trailing", "birthdoom", "stranded"}
-
-
-def record_rules(off) -> bool:
-    """Does a variant switching these rules off switch off a rule of the relation records?"""
-    return bool(RECORD_RULES & set(off))
 
 
 def variants_of(names) -> dict:

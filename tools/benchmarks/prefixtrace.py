@@ -344,7 +344,7 @@ class Belady(LRUTier):
 
 
 class Model(NamedTuple):
-    """A model: its shapes, its tiers (maru(pool_size, prefix_eviction, tag, shape), lru(capacity, shape)), the
+    """A model: its shapes, its tiers (maru(pool_size, tag, shape), lru(capacity, shape)), the
     bytes of one page in every pool (page_bytes(shape)), and whether Belady's bound runs beside it."""
     name: str
     shapes: dict

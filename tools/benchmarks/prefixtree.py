@@ -7,10 +7,8 @@ a page, so its working set fits a test machine; tokens served are counted as the
 
 Contestants, each on the same replay:
   ours        MaruStorage made by SGLang's backend factory (the default eviction);
-  clock       the same with `maru_prefix_eviction: false` (the plain per-class CLOCK);
-  records     the same with `maru_prefix_eviction: true` (relation records: group dooming);
-  variants    ours, or records for a rule of theirs, with rules switched off (prefixrules.py,
-              `--prefixtree-ab`): the A/B of each rule;
+  clock       the same with the plain per-class CLOCK;
+  variants    ours with rules switched off (prefixrules.py, `--prefixtree-ab`): the A/B of each rule;
   lru         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages);
   belady      Belady's offline bound over the same bytes (plain model);
   unbounded   a pool that never evicts: the most any policy can serve.
@@ -28,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from .hostpool import _host_pool, _storage_config
-from .prefixrules import record_rules, rules_off, variants_of
+from .prefixrules import rules_off, variants_of
 from .prefixtrace import (Belady, LRUTier, MaruBackend, Model, Shape, asks, host_pages, make_trace, replay,
                           working_set)
 from .prefixtree_hybrid import hybrid_model
@@ -67,11 +65,11 @@ class MaruTier(MaruBackend):
 
     trailing_bytes = 0
 
-    def __init__(self, pool_size: int, prefix_eviction: bool, tag: str, shape: Shape):
+    def __init__(self, pool_size: int, tag: str, shape: Shape):
         import torch
         heads, dim, layers = kv_geometry(shape)
         host = _host_pool(shape.page_tokens, shape.max_context, heads, dim, layers)
-        super().__init__(pool_size, tag, host, _storage_config, maru_prefix_eviction=prefix_eviction)
+        super().__init__(pool_size, tag, host, _storage_config)
         self.page_bytes, self.tokens = page_bytes(shape), shape.page_tokens
         self.idx = torch.arange(shape.max_context * shape.page_tokens, dtype=torch.int64)
 
@@ -101,27 +99,24 @@ def run_size(trace, pool_size: int, sglang_like: bool, progress=lambda f: None, 
     """Every contestant at one pool size and replay: tokens served, usable / file, usable / live.
     `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant.
     Contestants of one setting (the default's is the plain CLOCK's) share one replay: it is deterministic."""
-    from maru_sglang.config import MaruConfig
     shape = trace.shape
     pb = model.page_bytes(shape)
     host = host_pages(trace, pool_size, pb) if sglang_like else None
     out, ran = {}, {}
-    default = MaruConfig.from_extra_config({}).prefix_eviction
-    contestants = [("ours", default, ()), ("clock", False, ()), ("records", True, ())] + \
-        [(k, True if record_rules(v) else default, v) for k, v in (variants or {}).items()]
-    for name, prefix, off in contestants:
-        if (prefix, off) in ran:
-            out[name] = dict(ran[(prefix, off)])
+    contestants = [("ours", ()), ("clock", ())] + list((variants or {}).items())
+    for name, off in contestants:
+        if off in ran:
+            out[name] = dict(ran[off])
             continue
         with rules_off(off):
-            tier = model.maru(pool_size, prefix, f"prefixtree-{name}", shape)
+            tier = model.maru(pool_size, f"prefixtree-{name}", shape)
             try:
                 r = replay(trace, tier, sglang_like, progress, host=host)
                 r.update(file_bytes=tier.file_bytes, data_bytes=tier.data_bytes)
                 assert tier.check()
             finally:
                 tier.close()
-        out[name] = ran[(prefix, off)] = r
+        out[name] = ran[off] = r
     ours = out["ours"]
     refs = [("lru", model.lru(ours["data_bytes"], shape)), ("unbounded", model.lru(None, shape))]
     if model.belady:
@@ -159,8 +154,8 @@ def prefixtree(seed: int = 11, sizes=None, progress=lambda f, note="": None, req
 NAME = "prefixtree"
 # The goals per model (BRIEF.md, Goals: Eviction). Plain: tokens from L3 at least VS_CLOCK x the plain CLOCK's
 # and VS_LRU x exact LRU's in every cell that counts, VS_LRU_MEAN x LRU's on each shape's mean, usable / live
-# at least USABLE_LIVE on the direct replay. Hybrid: at least the better of the CLOCK and the records on each
-# shape's mean, HYBRID_VS_CLOCK x the CLOCK in every cell that counts.
+# at least USABLE_LIVE on the direct replay. Hybrid: at least the CLOCK's on each shape's mean, HYBRID_VS_CLOCK x
+# the CLOCK's in every cell that counts.
 VS_CLOCK, VS_LRU, VS_LRU_MEAN, USABLE_LIVE, HYBRID_VS_CLOCK = 0.995, 0.97, 1.0, 0.95, 0.90
 
 
@@ -180,11 +175,9 @@ def summary(results: list, variants: dict | None = None, least: int = COUNTS) ->
         direct = [run[name]["usable_live"] for run in rows if run["replay"] == "direct"]
         return float(min(direct)) if direct else None
     out = {"cells": len(rows), "vs_clock": ratios("ours", "clock"), "vs_lru": ratios("ours", "lru"),
-           "clock_vs_lru": ratios("clock", "lru"), "records_vs_clock": ratios("records", "clock"),
-           "records_vs_lru": ratios("records", "lru"),
-           "usable_live_min": usable_live("ours"), "records_usable_live_min": usable_live("records"),
+           "clock_vs_lru": ratios("clock", "lru"), "usable_live_min": usable_live("ours"),
            "usable_file_min": float(min(run["ours"]["usable_file"] for run in rows)),
-           "ab": {v: ratios("records" if record_rules(off) else "ours", v) for v, off in (variants or {}).items()}}
+           "ab": {v: ratios("ours", v) for v in (variants or {})}}
     if all("belady" in run for run in rows):
         out["belady_vs_lru"] = ratios("belady", "lru")
     return out
@@ -193,9 +186,8 @@ def summary(results: list, variants: dict | None = None, least: int = COUNTS) ->
 def goals(model: str, s: dict) -> list:
     """(name, figure, goal, met) of one shape's summary `s` for this model."""
     if model == "hybrid":
-        best = max(1.0, s["records_vs_clock"]["mean"])
         return [("tokens from L3 / plain CLOCK, worst cell", s["vs_clock"]["min"], HYBRID_VS_CLOCK),
-                ("tokens from L3 / plain CLOCK, mean", s["vs_clock"]["mean"], best)]
+                ("tokens from L3 / plain CLOCK, mean", s["vs_clock"]["mean"], 1.0)]
     out = [("tokens from L3 / plain CLOCK, worst cell", s["vs_clock"]["min"], VS_CLOCK),
            ("tokens from L3 / exact LRU, worst cell", s["vs_lru"]["min"], VS_LRU),
            ("tokens from L3 / exact LRU, mean", s["vs_lru"]["mean"], VS_LRU_MEAN)]
@@ -211,8 +203,6 @@ def _figures(r: dict) -> list:
         where = f"{r['shape']} shape, {model} model, {s['cells']} cells"
         for name, value, goal in goals(model, s):
             figs.append(figure(f"{name}, {where}", value, None, None, goal=f">= {goal:.3f}", met=value >= goal))
-        figs.append(figure(f"maru_prefix_eviction true: tokens from L3 / plain CLOCK, mean, {where}",
-                           s["records_vs_clock"]["mean"], None, None, worst=s["records_vs_clock"]["min"]))
         if "belady_vs_lru" in s:
             figs.append(figure(f"Belady's bound: tokens / exact LRU, mean, {where}", s["belady_vs_lru"]["mean"]))
         for v, ab in s["ab"].items():

@@ -49,14 +49,14 @@ def _pools(pages: int) -> dict:
 class HybridMaruTier(MaruBackend):
     """The hybrid model's pages through MaruStorage, registered as HybridCacheController registers them."""
 
-    def __init__(self, pool_size: int, prefix_eviction: bool, tag: str, shape: Shape | None = None):
+    def __init__(self, pool_size: int, tag: str, shape: Shape | None = None):
         import torch
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
         from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
 
         n = HYBRID_CONTEXT
         anchor = LogicalHostPool(n * PAGE, PAGE, layout="page_first_direct")
-        super().__init__(pool_size, tag, anchor, _config, maru_prefix_eviction=prefix_eviction)
+        super().__init__(pool_size, tag, anchor, _config)
         b = self.backend
         b.register_mem_host_pool_v2(anchor, PoolName.KV)
         pools = _pools(n)
@@ -158,7 +158,7 @@ class HybridLRUTier:
 
 def hybrid_model() -> Model:
     """The model, its LRU sized from a scratch HybridMaruTier's pools."""
-    probe = HybridMaruTier(256 << 20, True, "prefixtree-probe")
+    probe = HybridMaruTier(256 << 20, "prefixtree-probe")
     try:
         sizes = probe.sizes
     finally:

@@ -64,7 +64,7 @@ def render(results: list[dict]) -> str:
                          f"goal >= {r['goal']} "
                          f"{'met' if r['met'] else 'MISSED'}")
             lines.append(f"hybrid    payload still usable as hits (whole restorable prefixes) / file, mean over churn: "
-                         f"{r['usable']:.4f} vs relation records {r.get('records_usable', float('nan')):.4f}, fixed slots "
+                         f"{r['usable']:.4f} vs fixed slots "
                          f"{r['fixed_slots_usable']:.4f}, power-of-two classes {r['pow2_classes_usable']:.4f} (FIFO); "
                          f"goal >= 0.90 {'met' if r['usable'] >= 0.90 else 'MISSED'}")
         elif r["scenario"] == "tier2":
@@ -224,9 +224,7 @@ def render_prefixtree(r: dict) -> list[str]:
             out.append(f"prefixtree {sh} {name} ({s['cells']} cells): ours / plain CLOCK x{s['vs_clock']['mean']:.3f} "
                        f"(worst x{s['vs_clock']['min']:.3f}), ours / LRU x{s['vs_lru']['mean']:.3f} (worst "
                        f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}{bel}; lowest "
-                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; records / plain CLOCK "
-                       f"x{s['records_vs_clock']['mean']:.3f} (worst x{s['records_vs_clock']['min']:.3f}); base / "
-                       f"variant{ab}")
+                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; base / variant{ab}")
         for seed, models in x["by_seed"].items():
             for m in models.values():
                 out += _prefixtree_cells(m)

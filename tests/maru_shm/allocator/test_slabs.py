@@ -97,8 +97,8 @@ def test_free_slabs_move_between_classes(open_store, record_property):
 
 
 def test_emptied_class_gives_its_slabs_away(open_store):
-    # 66 MiB: the large class's slabs are 9 units, and a 64 MiB pool has 252 units since the relation records
-    # (FORMAT.md 6a) took one; 28 slabs then need every unit, and one small slab the deletes emptied stays.
+    # 66 MiB: the large class's slabs are 9 units; 28 slabs then need every unit, and one small slab the deletes
+    # emptied stays.
     s = open_store("66M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     small = next(b for b in sizes if b >= 20 * KiB)
