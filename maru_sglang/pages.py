@@ -72,9 +72,10 @@ def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | Non
 
 def mark_offered_again(store, digests: np.ndarray, found=None) -> None:
     """Stored pages a set offers again are marked used as a hit marks them (`Store.touch`; `found`: their
-    lookup, whose ok keys are the stored ones): a chain offered past a missing page has its gap filled by
-    this call, and the pages after the gap serve hits again."""
-    store.touch(digests, found)
+    lookup, whose ok keys are the stored ones), where the pool's eviction settings say so: a chain offered
+    past a missing page has its gap filled by this call, and the pages after the gap serve hits again."""
+    if store.policy.settings.offered_mark:
+        store.touch(digests, found)
 
 
 def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,

@@ -256,6 +256,7 @@ class Store:
     locks = property(lambda self: self.att.locks)
     index = property(lambda self: self.att.index)
     alloc = property(lambda self: self.att.alloc)
+    policy = property(lambda self: self.att.alloc.policy)  # the eviction decisions and their settings
     slot = property(lambda self: self.procs.slot)
     timeout = property(lambda self: self.locks.timeout)
     max_value = property(lambda self: self.geo.max_value)

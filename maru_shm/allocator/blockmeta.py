@@ -14,7 +14,7 @@ import numpy as np
 from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
                       META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
                       META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
-                      REF_MAX, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
 from ..records import record_struct
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
@@ -64,19 +64,6 @@ class BlockMetas:
     def is_pinned(self, offset: int) -> bool:
         """Is the block at this data offset pinned (Store.pin)? Out of range: no."""
         return 0 <= offset < self.geo.data_bytes and bool(self.mm[self.meta_off(offset) + META_FLAGS_OFF] & FLAG_PINNED)
-
-    def is_referenced(self, offset: int, age: bool = False) -> bool:
-        """Is the block's ref count above 0 (for the index-pressure CLOCK); `age`: lower it by one, as the
-        block CLOCK's hand does. A pinned block always is."""
-        if not 0 <= offset < self.geo.data_bytes:
-            return False
-        m = self.meta_off(offset)
-        if self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
-            return True
-        ref = self.mm[m + META_REF_OFF]
-        if ref and age:
-            self.mm[m + META_REF_OFF] = min(ref, REF_MAX) - 1
-        return bool(ref)
 
     @staticmethod
     def columns(q: np.ndarray):

@@ -3,8 +3,9 @@
     classtable   size classes as last read          slabtable   slab entries, bitmaps, partial lists
     blockmeta    block lifetimes (the metas)        freeruns    free units, the free floor
     kept         blocks kept for our next puts      reserve     allocation, making room
-    release      freeing and its derived state      demand      POLICY: move a slab or evict within
+    release      freeing and its derived state      policy      POLICY: every eviction decision (Settings)
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
+    demand       class demand, the retention rule
     repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
 
 What only the layer above knows comes in through `host` (host.AllocatorHost).
@@ -15,11 +16,12 @@ from __future__ import annotations
 from .blockclock import BlockClock
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
-from .demand import DemandPolicy
+from .demand import Demand
 from .freeruns import FreeRuns
 from .host import AllocatorHost
 from .kept import KeptBlocks, keep_limit
 from .locking import AllocatorLocks
+from .policy import EvictionPolicy, current
 from .release import BlockRelease
 from .repair import Repairer
 from .reserve import Reserver
@@ -37,15 +39,16 @@ class Allocator:
         self.slabs = SlabTable(mm, geo, self.class_table)
         self.metas = BlockMetas(mm, geo)
         self.runs = FreeRuns(mm, geo, self.slabs, self.class_table)
-        self.demand = DemandPolicy(mm, geo)
+        self.demand = Demand(mm, geo)
+        self.policy = EvictionPolicy(current(), mm, geo, self.metas.meta_refs, self.demand)
         self.kept_blocks = KeptBlocks(self.metas, self.slabs)
         self.release = BlockRelease(host, self.locks, self.slabs, self.metas, self.kept_blocks)
-        self.clock = BlockClock(host, self.slabs, self.metas, self.release)
+        self.clock = BlockClock(host, self.slabs, self.metas, self.release, self.policy)
         self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.repairer = Repairer(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.locks.repair_class = self.repairer.repair_class
         self.locks.repair_pool = self.repairer.repair_pool
-        self.reserver = Reserver(self.locks, self.slabs, self.metas, self.kept_blocks, self.runs, self.demand,
+        self.reserver = Reserver(self.locks, self.slabs, self.metas, self.kept_blocks, self.runs, self.policy,
                                  self.clock, self.mover)
         # The calls on every get and put go straight to the part that answers them (one Python call less).
         self.class_for = self.class_table.class_for          # (n) -> ClassInfo | None
@@ -53,7 +56,6 @@ class Allocator:
         self.block_index = self.slabs.block_index            # (offset) -> (head, ClassInfo, block) | None
         self.meta_off = geo.meta_of                          # (offset) -> file offset of its block meta
         self.is_pinned = self.metas.is_pinned                # (offset) -> bool
-        self.is_referenced = self.metas.is_referenced        # (offset, age=False) -> bool
         self.allocate = self.reserver.allocate               # (info, digests, lengths, owner) -> offsets
         self.free_blocks = self.release.free_blocks          # (blocks, keep=0) -> blocks freed
 
@@ -62,6 +64,7 @@ class Allocator:
         self.slabs.release_views()
         self.metas.release_views()
         self.demand.release_views()
+        self.policy.release_views()
 
     # ---------------------------------------------------------------- views (numpy, over the mapping)
     states = property(lambda self: self.slabs.states)
@@ -106,8 +109,8 @@ class Allocator:
         return self.clock.evict_blocks(info, m)
 
     def donors(self, info: ClassInfo):
-        """The classes (ids) that may give this class a slab now (demand.py)."""
-        return self.demand.donors(info)
+        """The classes (ids) that may give this class a slab now (policy.py)."""
+        return self.policy.donors(info)
 
     def find_free_run(self, k: int) -> int | None:
         return self.runs.find_free_run(k)

@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tools.benchmarks.prefixrules import RULES, rules_off, variants_of
 from tools.benchmarks.prefixtrace import (Belady, HostCache, LRUTier, Trace, asks, host_pages, make_trace)
-from tools.benchmarks.prefixtree import MAX_CONTEXT, SHAPES, _figures, page_bytes, prefixtree, summary
+from tools.benchmarks.prefixtree import MAX_CONTEXT, SHAPES, _figures, page_bytes, prefixtree, summary, variants_of
 from tools.benchmarks.report import render_prefixtree
 from tools.benchmarks.prefixtree_hybrid import HybridLRUTier, hybrid_model
 
@@ -194,12 +193,10 @@ def test_summary_is_the_cells_own_figures(tiny):
     assert sum(x.startswith("prefixtree chat plain seed") for x in lines) == 2 and "without all" in lines[0]
 
 
-def test_rules_off_restores_the_store():
-    from maru_shm.allocator.demand import DemandPolicy
-    before = DemandPolicy.donors
-    with rules_off(tuple(RULES)):
-        assert DemandPolicy.donors is not before
-    assert DemandPolicy.donors is before
+def test_variants_are_eviction_settings():
+    v = variants_of(["count", "retention+count", "all"])
+    assert v["count"] == {"ref_max": 1, "offered_mark": False}
+    assert v["retention+count"] == v["all"] == {"ref_max": 1, "offered_mark": False, "retention": False}
     with pytest.raises(ValueError):
         variants_of(["no such rule"])
 
@@ -229,26 +226,27 @@ def test_hybrid_tier_creates_its_pool_for_its_smallest_page(caplog):
         tier.close()
 
 
-def test_the_count_switch_is_the_one_bit_clock(open_store):
-    """`--prefixtree-ab count`: a hit sets the ref to 1 at most and a set marks no page it offers again; the
-    count and the mark come back on the way out."""
+def test_the_count_switch_is_the_one_bit_clock(pool_path):
+    """`--prefixtree-ab count`: a store opened under its settings raises a hit's ref to 1 at most, and a set
+    marks no page it offers again; a store opened after them has the count to 2 and the mark."""
     from maru_sglang import pages
-    from maru_shm.allocator import blockclock
+    from maru_shm import Store, eviction_settings, remove_pool
     from maru_shm.index import key_digest
     from ..conftest import make_value
-    s = open_store("16M")
-    assert s.put("k", make_value("k", 1, 4096))
-    g = s.index.find(key_digest("k"))[1] // s.geo.granule
 
-    def refs_after_two_gets():
-        s.alloc.meta_refs[g] = 0
-        for _ in range(2):
+    def refs(s, g, gets):
+        for _ in range(gets):
             assert s.get("k") is not None
         return int(s.alloc.meta_refs[g])
 
-    mark = pages.mark_offered_again
-    with rules_off(("count",)):
-        assert refs_after_two_gets() == 1 and blockclock.REF_MAX == 1
-        pages.mark_offered_again(s, np.array([key_digest("k")]))  # switched off: marks nothing
-        assert s.alloc.meta_refs[g] == 1
-    assert refs_after_two_gets() == 2 and pages.mark_offered_again is mark
+    for settings, top in ((variants_of(["count"])["count"], 1), ({}, 2)):
+        with eviction_settings(**settings):
+            s = Store.open(pool_path, "16M", create=True)
+        with s:
+            assert s.put("k", make_value("k", 1, 4096))
+            g = s.index.find(key_digest("k"))[1] // s.geo.granule
+            assert refs(s, g, 3) == top  # a hit raises the count to the setting's top
+            s.alloc.meta_refs[g] = 0
+            pages.mark_offered_again(s, np.array([key_digest("k")]))
+            assert refs(s, g, 0) == (top == 2)  # the mark only with the rule
+        remove_pool(pool_path)

@@ -8,7 +8,7 @@ a page, so its working set fits a test machine; tokens served are counted as the
 Contestants, each on the same replay:
   ours        MaruStorage made by SGLang's backend factory (the default eviction);
   clock       the same with the plain per-class CLOCK;
-  variants    ours with rules switched off (prefixrules.py, `--prefixtree-ab`): the A/B of each rule;
+  variants    ours with a rule switched off (`--prefixtree-ab`, VARIANTS: eviction settings): each rule's A/B;
   lru         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages);
   belady      Belady's offline bound over the same bytes (plain model);
   unbounded   a pool that never evicts: the most any policy can serve.
@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from maru_shm import eviction_settings
+
 from .hostpool import _host_pool, _storage_config
-from .prefixrules import rules_off, variants_of
 from .prefixtrace import (Belady, LRUTier, MaruBackend, Model, Shape, asks, host_pages, make_trace, replay,
                           working_set)
 from .prefixtree_hybrid import hybrid_model
@@ -49,6 +50,25 @@ SHAPES = {
     "mooncake": Shape(3993, 748, page_tokens=256, sizes=(20.0, 10.0, 5.0), source="mooncake_synthetic.jsonl.xz"),
 }
 COUNTS = 5000  # tokens: a cell below this in every contestant compared counts only in its shape's mean
+# The A/B of each rule of the default (`--prefixtree-ab`): the eviction settings (maru_shm.EvictionSettings) of
+# the default without it. "clock" is the plain per-class CLOCK contestant.
+CLOCK = {}
+VARIANTS = {
+    "count": dict(ref_max=1, offered_mark=False),  # a hit raises the count to 2; a set marks offered pages used
+    "retention": dict(retention=False),  # slab moves balance the classes' retention
+}
+
+
+def variants_of(names) -> dict:
+    """`--prefixtree-ab` names -> {variant: settings}; 'all' is every rule off at once, 'a+b' rules a and b."""
+    out = {}
+    for n in names:
+        parts = list(VARIANTS) if n == "all" else n.split("+")
+        unknown = [p for p in parts if p not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown rule {unknown[0]!r} (known: {', '.join(VARIANTS)}, all)")
+        out[n] = {k: v for p in parts for k, v in VARIANTS[p].items()}
+    return out
 
 
 def kv_geometry(shape: Shape) -> tuple:
@@ -97,18 +117,19 @@ PLAIN_MODEL = Model("plain", SHAPES, MaruTier, lambda cap, shape: LRUTier(cap, p
 def run_size(trace, pool_size: int, sglang_like: bool, progress=lambda f: None, model: Model = PLAIN_MODEL,
              variants: dict | None = None) -> dict:
     """Every contestant at one pool size and replay: tokens served, usable / file, usable / live.
-    `variants`: name -> rules of the default switched off (prefixrules.py), each one more contestant.
-    Contestants of one setting (the default's is the plain CLOCK's) share one replay: it is deterministic."""
+    `variants`: name -> eviction settings (`variants_of`), each one more contestant. Contestants of one
+    setting share one replay: it is deterministic."""
     shape = trace.shape
     pb = model.page_bytes(shape)
     host = host_pages(trace, pool_size, pb) if sglang_like else None
     out, ran = {}, {}
-    contestants = [("ours", ()), ("clock", ())] + list((variants or {}).items())
-    for name, off in contestants:
-        if off in ran:
-            out[name] = dict(ran[off])
+    contestants = [("ours", {}), ("clock", CLOCK)] + list((variants or {}).items())
+    for name, settings in contestants:
+        key = tuple(sorted(settings.items()))
+        if key in ran:
+            out[name] = dict(ran[key])
             continue
-        with rules_off(off):
+        with eviction_settings(**settings):
             tier = model.maru(pool_size, f"prefixtree-{name}", shape)
             try:
                 r = replay(trace, tier, sglang_like, progress, host=host)
@@ -116,7 +137,7 @@ def run_size(trace, pool_size: int, sglang_like: bool, progress=lambda f: None, 
                 assert tier.check()
             finally:
                 tier.close()
-        out[name] = ran[off] = r
+        out[name] = ran[key] = r
     ours = out["ours"]
     refs = [("lru", model.lru(ours["data_bytes"], shape)), ("unbounded", model.lru(None, shape))]
     if model.belady:
@@ -234,5 +255,5 @@ def bench_prefixtree(args) -> dict:
         summ = {n: summary([by_seed[seed][n] for seed in by_seed if n in by_seed[seed]], variants) for n in names}
         out[sh] = {"shape": sh, "by_seed": by_seed, "summary": summ}
         figs += _figures(out[sh])
-    return {"scenario": NAME, "seeds": seeds, "shapes": out, "variants": {k: list(v) for k, v in variants.items()},
+    return {"scenario": NAME, "seeds": seeds, "shapes": out, "variants": variants,
             "figures": figs}

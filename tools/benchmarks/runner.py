@@ -83,7 +83,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="prefixtree: each shape's requests times this (default 1; smaller for a quick A/B)")
     g.add_argument("--prefixtree-models", type=_names, help="prefixtree: plain, hybrid or both (default both)")
     g.add_argument("--prefixtree-ab", type=_names, help="prefixtree: rules of the default eviction to switch off, "
-                   "each in a variant of its own, comma separated (tools/benchmarks/prefixrules.py; 'all': every one)")
+                   "each in a variant of its own, comma separated (prefixtree.VARIANTS; 'all': every one)")
     g = p.add_argument_group("e2e")
     g.add_argument("--e2e-lengths", default=[512, 2048, 8192], type=_int_list,
                    help="prompt lengths in tokens (default 512,2048,8192)")
