@@ -119,6 +119,7 @@ def test_belady_keeps_the_page_asked_soonest():
     assert tier.exists([k[1]], []) == 0
     tier.set([k[1], k[2]], [])  # over capacity: k[1] and k[2] are never asked again, the later page goes
     assert set(tier.items) == {k[0], k[1]}
+    assert tier.restorable([k[0], k[1]]) == (2, []) and tier.now == 1  # measuring is no lookup
     assert tier.exists([k[0]], []) == 1
 
 

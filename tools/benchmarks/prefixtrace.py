@@ -333,6 +333,9 @@ class Belady(LRUTier):
     def get(self, keys, prefix, copy: bool = True) -> None:
         pass
 
+    def restorable(self, keys) -> tuple[int, list]:
+        return leading_run(self.prio, keys), []  # not a lookup: the clock of asks stays
+
     def set(self, keys, prefix) -> None:
         for k in keys:
             if k not in self.prio:
