@@ -72,6 +72,16 @@ class LocalTier:
             self._log_once("batch_exists", e)
             return 0
 
+    def mark_prefix(self, keys: List[str]) -> None:
+        """Mark the stored copies of a lookup's prefix keys used, if the pool's policy has the prefix mark: the
+        host serves these pages, and L3 keeps them for when it no longer does."""
+        try:
+            store = self._store()
+            if store.policy.prefix_mark:
+                store.touch(self.keyspace.digests(keys))
+        except Exception as e:
+            self._log_once("batch_exists", e)
+
     def get_v1(self, keys: List[str], host_indices) -> List[bool]:
         if not keys:
             return []

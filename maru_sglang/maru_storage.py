@@ -92,9 +92,12 @@ class MaruStorage(HiCacheStorage):
         return store if store is not None else self._attach()
 
     def _attach(self) -> Store:
+        """A pool this instance creates gets age stamps for a plain model, the count CLOCK for a hybrid one (v2
+        pools registered): each the rule that meets its model's goals (DESIGN.md section 8)."""
         if self.page_bytes is None:
             raise RuntimeError("MaruStorage used before register_mem_pool_host()")
-        return self.pool.attach([(self.page_bytes, "MaruStorage"), *self.hybrid.pages()])
+        return self.pool.attach([(self.page_bytes, "MaruStorage"), *self.hybrid.pages()],
+                                "count" if self.hybrid.pools else "age")
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Derive the page size from the host pool (an exact-fit class once the pool is attached), fix the
@@ -176,7 +179,11 @@ class MaruStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
+        """Length of the leading run of keys present in the pool (then in the second tier, if any). The pool's
+        copies of the prefix keys (pages the host holds) are marked used where the eviction policy says so."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix:
+            self.local.mark_prefix(prefix)
         local = self.local_exists(keys)
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 

@@ -56,7 +56,7 @@ SUPERBLOCK_LAYOUT = record(
     ("reserved_404", "V4"),
     ("demand_acc", "<u8"),       # hint, no lock: bytes allocated since the epoch began
     ("free_floor", "<u4"),       # hint, POOL: no unit below it is FREE: where the search for free units starts
-    ("reserved_420", "V4"),
+    ("age_tick", "<u4"),         # hint, no lock: the age clock of a pool with FLAG_AGE (section 6)
     ("heals", "<u8"),            # PROC: processes that attached after losing their previous pool
     ("lock_boot", "S16"),        # INIT: boot id of the boot in which the lock file was made to name this pool
     ("reserved_tail", "V3648"),
@@ -71,6 +71,7 @@ RETIRED_OFF = field_off(SUPERBLOCK_LAYOUT, "retired")
 DEMAND_EPOCH_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_epoch")
 DEMAND_ACC_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_acc")
 FREE_FLOOR_OFF = field_off(SUPERBLOCK_LAYOUT, "free_floor")
+AGE_TICK_OFF = field_off(SUPERBLOCK_LAYOUT, "age_tick")
 HEALS_OFF = field_off(SUPERBLOCK_LAYOUT, "heals")
 LOCK_BOOT_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_boot")
 POOL_UUID_OFF = field_off(SUPERBLOCK_LAYOUT, "pool_uuid")  # read raw by whoever matches a lock file to its pool
@@ -81,6 +82,7 @@ FLAG_DEVICE = 1
 # lies unused between the block metas and the data. No new pool sets it.
 FLAG_RETIRED = 2
 RETIRED_PER_GRANULE, RETIRED_FIXED = 16, 32 << 10
+FLAG_AGE = 4  # a block's meta `ref` is an age stamp, not a count (section 6)
 
 # --- locks ---------------------------------------------------------------
 # Every lock is one byte at LOCK_BASE + id of the pool's lock file, which starts with LOCK_FILE_HEAD:
@@ -203,8 +205,11 @@ META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT, META_TAIL_FLAGS_SHIFT = (
 META_TAIL_LENGTH_MASK = (1 << 8 * field_size(META_LAYOUT, "length")) - 1
 FLAG_PINNED = 1  # meta flags bit 0: eviction and slab moves leave this lifetime alone (Store.pin)
 # Meta `ref`: the block CLOCK's count. A hit or a touch raises it by one up to REF_MAX, the hand lowers it by
-# one as it passes: a value hit again before the hand comes back outlives one hit once.
+# one as it passes: a value hit again before the hand comes back outlives one hit once. In a pool with FLAG_AGE
+# it is an age stamp instead: the low byte of `age_tick` at the last write or hit.
 REF_MAX = 2
+AGE_TICKS = 64  # a pool with FLAG_AGE: `age_tick` advances once per data_bytes / AGE_TICKS bytes allocated
+AGE_CLAMP = 128  # ... and a stamp is never more than this many ticks old (section 6)
 FREE, RESERVED, LIVE = 0, 1, 2
 
 # Meta flags bits 1-7 hold the length check, 3 x length mod 125: any one or two flipped bits of the

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .allocator import Allocator
+from .allocator.policy import flags_for as eviction_flags
 from .attachment import Attachment
 from .check import check_store
 from .copyengine import CopyEngine, check_threads
@@ -180,7 +181,7 @@ class Store:
              allow_foreign_owner: bool = False, granule: int | None = None, unit_size: int | None = None,
              max_value="64M", index_slots: int | None = None, index_shards: int = 64,
              proc_slots: int = 128, value_size=None, populate: bool = False,
-             copy_threads: int | None = None) -> "Store":
+             copy_threads: int | None = None, eviction: str = "count") -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
         Creation knobs (ignored for an existing pool, whose geometry is read from its header): granule
@@ -198,6 +199,9 @@ class Store:
         copy_threads: threads that copy one batch's values (the caller's included), on cores other
         processes leave idle; default copyengine.default_threads() (every core, at most 4). 1: the
         calling thread alone.
+
+        eviction: the ref rule of a pool created now (FORMAT.md section 6), "count" (the CLOCK) or "age"
+        (age stamps); an existing pool keeps its own, and `EvictionSettings.age` overrides this.
         """
         timeout = check_timeout(timeout)
         copy_threads = check_threads(copy_threads)
@@ -207,7 +211,8 @@ class Store:
         size_b = parse_size(size) if size is not None else None
         plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
                     index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots,
-                    value_size=parse_size(value_size) if value_size is not None else None)
+                    value_size=parse_size(value_size) if value_size is not None else None,
+                    flags=eviction_flags(eviction))
         pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
                             allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
         try:

@@ -75,14 +75,16 @@ class BlockMetas:
         return owner, ref, pinned
 
     # ---------------------------------------------------------------- lifetimes
-    def reserve(self, offset: int, digest: bytes, length: int, owner: int) -> None:
-        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned)."""
+    def reserve(self, offset: int, digest: bytes, length: int, owner: int, ref: int = 0) -> None:
+        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned). `ref`: the
+        eviction policy's value for a new lifetime."""
         m = self.meta_off(offset)
         word = U64.unpack_from(self.mm, m)[0]
-        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0,
+        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, ref,
                                                     length_flags(length))
 
-    def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
+    def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int,
+                     ref: int = 0) -> None:
         """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
 
         `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths (u64).
@@ -97,9 +99,9 @@ class BlockMetas:
         q[g, _D0] = dig[:, 0]
         q[g, _D1] = dig[:, 1]
         flags = length_flags(lengths) << np.uint64(_FLAGS_SHIFT)
-        q[g, _TAIL] = lengths | flags | np.uint64(owner << _OWNER_SHIFT)  # ref 0; flags: the check, not pinned
+        q[g, _TAIL] = lengths | flags | np.uint64(owner << _OWNER_SHIFT | ref << _REF_SHIFT)  # flags: the check, not pinned
 
-    def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, crash_point) -> None:
+    def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, ref: int, crash_point) -> None:
         """A kept block (LIVE, ours, unindexed) starts a new lifetime: the word first, then the rest."""
         mm = self.mm
         store_u64(mm, m, next_word(word, RESERVED))
@@ -107,7 +109,7 @@ class BlockMetas:
         # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
         # before packing, and the live check, which reads this meta without the class lock we do not
         # hold here, would see a RESERVED block owned by nobody.
-        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0, length_flags(length))  # not pinned
+        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, ref, length_flags(length))  # not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""

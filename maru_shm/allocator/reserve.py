@@ -39,7 +39,8 @@ class Reserver:
         block must carry its owner by then, or the eviction that makes room for the rest could free the
         slab under it.
         """
-        out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.count(info.cid) else []
+        out: list[int] = self.kept.reuse(info, digests, lengths, owner, self.policy.birth()) \
+            if self.kept.count(info.cid) else []
         if len(out) == len(lengths):
             return out
         return self._allocate_locked(info, digests, lengths, owner, out)
@@ -97,15 +98,16 @@ class Reserver:
         self.slabs.take_free(head - 1, info, want, True, spares)
         self.kept.track(spares)
         for off in spares:
-            self.metas.reserve(off, _NO_DIGEST, 0, owner)
+            self.metas.reserve(off, _NO_DIGEST, 0, owner, self.policy.birth())
         self.kept.give_back(info.cid, spares)
 
     def _reserve(self, offsets: list[int], digests, lengths, owner: int, small: bool) -> None:
+        ref = self.policy.birth()
         if small:  # scalar meta writes
             for j, off in enumerate(offsets):
-                self.metas.reserve(off, digest_bytes(digests[j]), int(lengths[j]), owner)
+                self.metas.reserve(off, digest_bytes(digests[j]), int(lengths[j]), owner, ref)
         else:
-            self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner)
+            self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner, ref)
 
     def format_free_slabs(self, info: ClassInfo, nblocks: int) -> bool:
         """CLASS[c] held: format new slabs of the class on free units (one POOL round), enough for `nblocks`

@@ -746,6 +746,14 @@ def _handles_on(backend) -> list[str]:
     return found
 
 
+def test_a_hybrid_models_pool_gets_the_count_clock_and_no_prefix_mark(twin):
+    """A pool a hybrid model creates keeps the per-class CLOCK (DESIGN.md section 8): age stamps lose more than
+    a tenth of its tokens in some cell of the prefix-tree family."""
+    t = twin("mamba_swa")
+    t.set_kv(prompt_keys(2, "rule"))
+    assert not t.maru.store.policy.age and not t.maru.store.policy.prefix_mark
+
+
 def test_no_part_of_the_backend_holds_a_handle_on_it(twin):
     """Calls go one way (maru_storage.py): MaruStorage gives the parts it builds what they use (a store getter,
     the key space, the parts below, flags, log_once), never itself; tests/test_layering.py checks the source."""

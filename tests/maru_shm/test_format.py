@@ -508,7 +508,7 @@ FORMAT_TABLES = [
         ("off_data", 128, 8), ("data_bytes", 136, 8), ("created_ns", 144, 8), ("pool_uuid", 152, 16),
         ("reserved_immutable", 168, 84), ("checksum", 252, 4), ("state", 256, 4), ("slab_hand", 260, 4),
         ("classes_version", 264, 4), ("reserved_268", 268, 4), ("retired", 272, 128), ("demand_epoch", 400, 4),
-        ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("reserved_420", 420, 4),
+        ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("age_tick", 420, 4),
         ("heals", 424, 8), ("lock_boot", 432, 16), ("reserved_tail", 448, 3648)]),
     ("LOCK_LAYOUT", 8, [("dirty", 0, 4), ("op", 4, 4)]),
     ("CLASS_LAYOUT", 64, [
@@ -545,8 +545,8 @@ def test_the_constants_and_structs_every_reader_uses_follow_the_declarations():
     """A sample of the derived names, at FORMAT.md's values, and each struct covering its fields."""
     from maru_shm import format as F
     assert (F.CHECKSUM_OFF, F.STATE_OFF, F.SLAB_HAND_OFF, F.CLASSES_VERSION_OFF, F.RETIRED_OFF, F.DEMAND_EPOCH_OFF,
-            F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.HEALS_OFF) == (
-        252, 256, 260, 264, 272, 400, 408, 416, 424)
+            F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.AGE_TICK_OFF, F.HEALS_OFF) == (
+        252, 256, 260, 264, 272, 400, 408, 416, 420, 424)
     assert (F.CLS_KIND, F.CLS_K, F.CLS_BLOCK, F.CLS_BPS, F.CLS_PARTIAL, F.CLS_NSLABS, F.CLS_USED, F.CLS_DECLARED,
             F.CLS_HAND, F.CLS_DEMAND, F.CLS_DEMAND_EPOCH) == (
         0, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56)

@@ -195,9 +195,10 @@ def test_summary_is_the_cells_own_figures(tiny):
 
 
 def test_variants_are_eviction_settings():
-    v = variants_of(["count", "retention+count", "all"])
-    assert v["count"] == {"ref_max": 1, "offered_mark": False}
-    assert v["retention+count"] == v["all"] == {"ref_max": 1, "offered_mark": False, "retention": False}
+    v = variants_of(["count", "retention+offered", "all"])
+    assert v["count"] == {"ref_max": 1}
+    assert v["retention+offered"] == {"retention": False, "offered_mark": False}
+    assert v["all"] == {"prefix_mark": False, "offered_mark": False, "ref_max": 1, "retention": False}
     with pytest.raises(ValueError):
         variants_of(["no such rule"])
 
@@ -227,9 +228,9 @@ def test_hybrid_tier_creates_its_pool_for_its_smallest_page(caplog):
         tier.close()
 
 
-def test_the_count_switch_is_the_one_bit_clock(pool_path):
-    """`--prefixtree-ab count`: a store opened under its settings raises a hit's ref to 1 at most, and a set
-    marks no page it offers again; a store opened after them has the count to 2 and the mark."""
+def test_the_count_and_offered_switches_reach_a_store_opened_under_them(pool_path):
+    """`--prefixtree-ab count` and `offered`: a count pool opened under their settings raises a hit's ref to 1 at
+    most and gets no mark on a page a set offers again; one opened after them has the count to 2 and the mark."""
     from maru_sglang import pages
     from maru_shm import Store, eviction_settings, remove_pool
     from maru_shm.index import key_digest
@@ -240,7 +241,7 @@ def test_the_count_switch_is_the_one_bit_clock(pool_path):
             assert s.get("k") is not None
         return int(s.alloc.meta_refs[g])
 
-    for settings, top in ((variants_of(["count"])["count"], 1), ({}, 2)):
+    for settings, top, mark in ((variants_of(["count+offered"])["count+offered"], 1, False), ({}, 2, True)):
         with eviction_settings(**settings):
             s = Store.open(pool_path, "16M", create=True)
         with s:
@@ -249,5 +250,5 @@ def test_the_count_switch_is_the_one_bit_clock(pool_path):
             assert refs(s, g, 3) == top  # a hit raises the count to the setting's top
             s.alloc.meta_refs[g] = 0
             pages.mark_offered_again(s, np.array([key_digest("k")]))
-            assert refs(s, g, 0) == (top == 2)  # the mark only with the rule
+            assert refs(s, g, 0) == mark
         remove_pool(pool_path)

@@ -6,8 +6,9 @@ mooncake, the recorded Mooncake trace (plain model only: 256-token pages of a sc
 a page, so its working set fits a test machine; tokens served are counted as the trace's).
 
 Contestants, each on the same replay:
-  ours        MaruStorage made by SGLang's backend factory (the default eviction);
-  clock       the same with the plain per-class CLOCK;
+  ours        MaruStorage made by SGLang's backend factory (the default eviction: age stamps and the prefix mark
+              for the plain model, the per-class CLOCK for the hybrid one);
+  clock       the same with the plain per-class CLOCK (a count to 2) for every model;
   variants    ours with a rule switched off (`--prefixtree-ab`, VARIANTS: eviction settings): each rule's A/B;
   lru         exact per-object LRU over the pool's data bytes (gets touch, sets insert absent pages);
   belady      Belady's offline bound over the same bytes (plain model);
@@ -51,10 +52,12 @@ SHAPES = {
 }
 COUNTS = 5000  # tokens: a cell below this in every contestant compared counts only in its shape's mean
 # The A/B of each rule of the default (`--prefixtree-ab`): the eviction settings (maru_shm.EvictionSettings) of
-# the default without it. "clock" is the plain per-class CLOCK contestant.
-CLOCK = {}
+# the default without it. CLOCK: the plain per-class CLOCK contestant's.
+CLOCK = {"age": False}
 VARIANTS = {
-    "count": dict(ref_max=1, offered_mark=False),  # a hit raises the count to 2; a set marks offered pages used
+    "mark": dict(prefix_mark=False),  # a lookup marks the stored copies of its prefix keys used (age pools)
+    "offered": dict(offered_mark=False),  # a set marks the stored pages it offers again used
+    "count": dict(ref_max=1),  # a hit raises the count to 2, not 1 (count pools: the hybrid model's)
     "retention": dict(retention=False),  # slab moves balance the classes' retention
 }
 
