@@ -27,7 +27,7 @@ import numpy as np
 from . import faultguard
 from .errors import NotAPoolError, PoolDamagedError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
-                     ENTRY_WORD_OFF, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
+                     ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
                      LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
                      MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
@@ -476,6 +476,7 @@ def report(src) -> dict:
             "version": VERSION,
             "flags": g.flags,
             "device": bool(g.flags & FLAG_DEVICE),
+            "eviction": "age" if g.flags & FLAG_AGE else "count",
             "pool_uuid": g.pool_uuid.hex(),
             "created_ns": g.created_ns,
         },

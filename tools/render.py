@@ -127,7 +127,7 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
 
     kind = "DAX device" if f["device"] else "regular file"
     out.append(Section("Pool", pairs=[
-        ("path", rep["path"]), ("format", f"version {f['version']}, {kind}"),
+        ("path", rep["path"]), ("format", f"version {f['version']}, {kind}, {f.get('eviction', 'count')} eviction"),
         ("uuid", f["pool_uuid"]), ("created", when(f["created_ns"])),
         ("file size", size(g["file_bytes"])), ("header", size(g["header_bytes"])),
         ("data area", size(g["data_bytes"])), ("units", f"{count(g['units'])} x {size(g['unit_size'])}"),

@@ -186,7 +186,7 @@ class EvictionPolicy:
         """Up to m victims of a class in an age pool: its m oldest candidates, on ties the first from the hand
         (ring order), read from the whole ring or its next AGE_SCAN blocks; the hand is left after the last
         victim. A stamp older than AGE_CLAMP ticks is rewritten to exactly that age as it is read, so a stamp
-        never wraps for a class that evicts at least once every AGE_CLAMP ticks."""
+        never wraps in a class that evicts again within AGE_CLAMP - 1 ticks."""
         n, p = ring.n, ring.hand
         span = min(n, AGE_SCAN)
         pos = (p + np.arange(span, dtype=np.int64)) % n

@@ -747,8 +747,8 @@ def _handles_on(backend) -> list[str]:
 
 
 def test_a_hybrid_models_pool_gets_the_count_clock_and_no_prefix_mark(twin):
-    """A pool a hybrid model creates keeps the per-class CLOCK (DESIGN.md section 8): age stamps lose more than
-    a tenth of its tokens in some cell of the prefix-tree family."""
+    """A pool a hybrid model creates keeps the per-class count CLOCK (DESIGN.md section 8): where a host cache
+    filters the hits, age order loses tokens to it (BENCHMARKS.md, the prefix-tree family)."""
     t = twin("mamba_swa")
     t.set_kv(prompt_keys(2, "rule"))
     assert not t.maru.store.policy.age and not t.maru.store.policy.prefix_mark
