@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import functools
+
 from maru_shm import eviction_settings
 
 from .hostpool import _host_pool, _storage_config
@@ -83,6 +85,13 @@ def page_bytes(shape: Shape) -> int:
     return shape.page_tokens * 2 * heads * dim * 2 * layers
 
 
+@functools.lru_cache(maxsize=4)
+def _shape_host_pool(page_tokens: int, pages: int, geometry: tuple):
+    """One host pool per page shape, shared by every tier in turn (SGLang checks the machine's free memory
+    at each host pool it makes, which a busy machine may fail mid-run)."""
+    return _host_pool(page_tokens, pages, *geometry)
+
+
 class MaruTier(MaruBackend):
     """A plain model's pages through MaruStorage's v1 calls, over a real host pool of the shape's pages."""
 
@@ -90,8 +99,7 @@ class MaruTier(MaruBackend):
 
     def __init__(self, pool_size: int, tag: str, shape: Shape):
         import torch
-        heads, dim, layers = kv_geometry(shape)
-        host = _host_pool(shape.page_tokens, shape.max_context, heads, dim, layers)
+        host = _shape_host_pool(shape.page_tokens, shape.max_context, kv_geometry(shape))
         super().__init__(pool_size, tag, host, _storage_config)
         self.page_bytes, self.tokens = page_bytes(shape), shape.page_tokens
         self.idx = torch.arange(shape.max_context * shape.page_tokens, dtype=torch.int64)
