@@ -215,16 +215,19 @@ def _paired(row: dict, name: str) -> str:
 
 def render_prefixtree(r: dict) -> list[str]:
     """Per shape and model: the summary over its cells, then one line per cell (seed, replay, size)."""
+    from .prefixtree import goals
     out = []
     for sh, x in r["shapes"].items():
         for name, s in x["summary"].items():
             ab = "".join(f"; without {v}: x{a['mean']:.3f} (worst x{a['min']:.3f})" for v, a in s["ab"].items())
             ul = "n/a" if s["usable_live_min"] is None else f"{s['usable_live_min']:.3f}"
             bel = f", Belady / LRU x{s['belady_vs_lru']['mean']:.3f}" if "belady_vs_lru" in s else ""
+            below = "".join(f"; {n} of {j} judged cells below {g:.3f} ({what})" for what, _, g, n, j in goals(name, s)
+                            if n is not None)
             out.append(f"prefixtree {sh} {name} ({s['cells']} cells): ours / plain CLOCK x{s['vs_clock']['mean']:.3f} "
                        f"(worst x{s['vs_clock']['min']:.3f}), ours / LRU x{s['vs_lru']['mean']:.3f} (worst "
                        f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}{bel}; lowest "
-                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; base / variant{ab}")
+                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}{below}; base / variant{ab}")
         for seed, models in x["by_seed"].items():
             for m in models.values():
                 out += _prefixtree_cells(m)
