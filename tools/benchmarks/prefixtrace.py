@@ -348,13 +348,15 @@ class Belady(LRUTier):
 
 class Model(NamedTuple):
     """A model: its shapes, its tiers (maru(pool_size, tag, shape), lru(capacity, shape)), the
-    bytes of one page in every pool (page_bytes(shape)), and whether Belady's bound runs beside it."""
+    bytes of one page in every pool (page_bytes(shape)), whether Belady's bound runs beside it, and the eviction
+    settings its default amounts to (contestants of equal settings share one replay)."""
     name: str
     shapes: dict
     maru: object
     lru: object
     page_bytes: object
     belady: bool
+    default: dict
 
 
 class MaruBackend:

@@ -122,7 +122,8 @@ class MaruTier(MaruBackend):
         return self.backend.local_exists(keys), []  # no touch: measuring must not change what is evicted
 
 
-PLAIN_MODEL = Model("plain", SHAPES, MaruTier, lambda cap, shape: LRUTier(cap, page_bytes(shape)), page_bytes, True)
+PLAIN_MODEL = Model("plain", SHAPES, MaruTier, lambda cap, shape: LRUTier(cap, page_bytes(shape)), page_bytes, True,
+                    {"age": True})
 
 
 def run_size(trace, pool_size: int, sglang_like: bool, progress=lambda f: None, model: Model = PLAIN_MODEL,
@@ -136,7 +137,7 @@ def run_size(trace, pool_size: int, sglang_like: bool, progress=lambda f: None, 
     out, ran = {}, {}
     contestants = [("ours", {}), ("clock", CLOCK)] + list((variants or {}).items())
     for name, settings in contestants:
-        key = tuple(sorted(settings.items()))
+        key = tuple(sorted({**model.default, **settings}.items()))
         if key in ran:
             out[name] = dict(ran[key])
             continue

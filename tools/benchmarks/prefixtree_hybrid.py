@@ -165,4 +165,4 @@ def hybrid_model() -> Model:
         probe.close()
     total = sum(sizes.values())
     return Model("hybrid", SHAPES, HybridMaruTier, lambda cap, shape: HybridLRUTier(cap, sizes),
-                 lambda shape: total, False)
+                 lambda shape: total, False, {"age": False})  # MaruStorage: the count CLOCK for a hybrid model
