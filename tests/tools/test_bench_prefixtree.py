@@ -198,7 +198,7 @@ def test_variants_are_eviction_settings():
     v = variants_of(["count", "retention+offered", "all"])
     assert v["count"] == {"ref_max": 1}
     assert v["retention+offered"] == {"retention": False, "offered_mark": False}
-    assert v["all"] == {"prefix_mark": False, "offered_mark": False, "ref_max": 1, "retention": False}
+    assert v["all"] == {"age": True, "prefix_mark": False, "offered_mark": False, "ref_max": 1, "retention": False}
     with pytest.raises(ValueError):
         variants_of(["no such rule"])
 

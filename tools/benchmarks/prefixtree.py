@@ -57,6 +57,7 @@ COUNTS = 5000  # tokens: a cell below this in every contestant compared counts o
 # the default without it. CLOCK: the plain per-class CLOCK contestant's.
 CLOCK = {"age": False}
 VARIANTS = {
+    "age": dict(age=True),  # age stamps (and, with them, the prefix mark) instead of the hybrid model's count
     "mark": dict(prefix_mark=False),  # a lookup marks the stored copies of its prefix keys used (age pools)
     "offered": dict(offered_mark=False),  # a set marks the stored pages it offers again used
     "count": dict(ref_max=1),  # a hit raises the count to 2, not 1 (count pools: the hybrid model's)
