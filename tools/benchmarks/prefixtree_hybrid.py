@@ -14,6 +14,7 @@ a hit under the same rule as batch_exists_v2's.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 from .hybrid import PAGE, RATIOS, SWA_PAGE, _indexer_pool, _v4_pool
@@ -39,7 +40,10 @@ def _config(extra: dict):
                                 model_name="deepseek-ai/DeepSeek-V4-like", extra_config=extra)
 
 
+@functools.lru_cache(maxsize=1)
 def _pools(pages: int) -> dict:
+    """The host pools, made once and registered by every tier in turn (SGLang checks the machine's free memory
+    at each one it makes, which a busy machine may fail mid-run)."""
     pools = {name: _v4_pool(name, PAGE // r, PAGE, pages, LAYERS) for name, r in RATIOS.items()}
     pools["deepseek_v4_c4_indexer"] = _indexer_pool(pages, LAYERS)
     pools["swa"] = _v4_pool("swa", SWA_PAGE, SWA_PAGE, 2, LAYERS)
