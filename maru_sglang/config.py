@@ -1,7 +1,8 @@
 """The `maru_*` keys of --hicache-storage-backend-extra-config, parsed once with clear errors.
 
 Maru's own keys are accepted so existing configs keep working: the ones that
-only made sense with a MaruServer are ignored with one warning.
+only made sense with a MaruServer are ignored with one warning, and so are
+retired keys of ours (RETIRED_KEYS).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ logger = logging.getLogger("maru_sglang")
 DEFAULT_PATH = "/dev/shm/maru_shm"
 DEFAULT_POOL_SIZE = 4 << 30
 SERVER_ONLY_KEYS = ("maru_server_url", "maru_use_async_rpc", "maru_max_inflight")
+# maru_prefix_eviction turned on relation records, removed: they lost tokens to the CLOCK (BENCHMARKS.md).
+RETIRED_KEYS = ("maru_prefix_eviction",)
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_min_page_bytes", "maru_instance_id",
-    "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_prefix_eviction", "maru_tier2",
-    "maru_tier2_retry_s", "maru_heal_retry_s", *SERVER_ONLY_KEYS,
+    "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_tier2",
+    "maru_tier2_retry_s", "maru_heal_retry_s", *SERVER_ONLY_KEYS, *RETIRED_KEYS,
 }
 DEFAULT_TIER2_RETRY_S = 2.0
 DEFAULT_HEAL_RETRY_S = 1.0
@@ -48,10 +51,6 @@ class MaruConfig:
     eager_map: bool = True
     mode: int = 0o600
     copy_threads: int | None = None  # None: maru_shm's default (every core, at most 4)
-    # Record how pages relate, so eviction frees first what can no longer be a hit. Off by default ("auto"
-    # too): every model gets the per-class CLOCK, because the records lose tokens to it in some cell of every
-    # trace shape, hybrid models included (BENCHMARKS.md, prefix-tree family).
-    prefix_eviction: bool = False
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
     heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it
@@ -63,6 +62,10 @@ class MaruConfig:
         ignored = [k for k in SERVER_ONLY_KEYS if k in extra]
         if ignored:
             logger.warning("maru_shm needs no server: ignoring %s", ", ".join(ignored))
+        retired = [k for k in RETIRED_KEYS if k in extra]
+        if retired:
+            logger.warning("ignoring %s: no longer used (every page is evicted by the pool's own policy)",
+                           ", ".join(retired))
         unknown = sorted(k for k in extra if k.startswith("maru_") and k not in KNOWN_KEYS)
         if unknown:
             logger.warning("unknown maru_* keys ignored: %s (known: %s)", ", ".join(unknown),
@@ -106,8 +109,6 @@ class MaruConfig:
                     or not 1 <= int(t) <= 64:
                 raise ValueError(f"maru_copy_threads: expected 'auto' or an integer from 1 to 64, got {t!r}")
             kw["copy_threads"] = int(t)
-        if extra.get("maru_prefix_eviction") not in (None, "auto"):
-            kw["prefix_eviction"] = _bool(extra["maru_prefix_eviction"], "maru_prefix_eviction")
         if extra.get("maru_tier2") is not None:
             kw["tier2"] = _tier2_settings(extra["maru_tier2"])
         if "maru_tier2_retry_s" in extra:

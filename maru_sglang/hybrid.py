@@ -275,21 +275,20 @@ class HybridPools:
         return min(lead // group * block, span_pages)
 
     # ------------------------------------------------------------------ data path
-    def batch_io_v2(self, transfers: List[PoolTransfer], write: bool, segment=None) -> Dict[Any, List[bool]]:
-        """One per-page success list per transfer, keyed by transfer.name (as HiCacheFile._batch_io_v2).
-        A write names the lineage segment its pages belong to (lineage.py), if it knows it."""
+    def batch_io_v2(self, transfers: List[PoolTransfer], write: bool) -> Dict[Any, List[bool]]:
+        """One per-page success list per transfer, keyed by transfer.name (as HiCacheFile._batch_io_v2)."""
         what = "batch_set_v2" if write else "batch_get_v2"
         results: Dict[Any, List[bool]] = {}
         for transfer in transfers or []:
             keys = list(transfer.keys or [])
             try:
-                results[transfer.name] = self._transfer(transfer, keys, write, segment)
+                results[transfer.name] = self._transfer(transfer, keys, write)
             except Exception as e:
                 self._log_once(what, e)
                 results[transfer.name] = [False] * len(keys)
         return results
 
-    def _transfer(self, transfer: PoolTransfer, keys: List[str], write: bool, segment=None) -> List[bool]:
+    def _transfer(self, transfer: PoolTransfer, keys: List[str], write: bool) -> List[bool]:
         spec = self.spec(transfer.name)
         if spec is None:
             raise KeyError(f"pool {pool_name(transfer.name)!r} was never registered "
@@ -301,12 +300,10 @@ class HybridPools:
                              f"got {hi.numel() if hi is not None else 0}")
         if not keys:
             return []
-        trailing = getattr(transfer, "hit_policy", None) == PoolHitPolicy.TRAILING_PAGES
-        relations = segment.records(keys, trailing) if write and segment is not None else None
         if spec.is_kv:
-            return self.kv.io_v2(keys, hi, write, relations)
+            return self.kv.io_v2(keys, hi, write)
         if write:
-            return self._set_pool(spec, keys, hi, relations)
+            return self._set_pool(spec, keys, hi)
         return self._get_pool(spec, keys, hi)
 
     def promote_v2(self, transfers) -> int:
@@ -314,13 +311,13 @@ class HybridPools:
         res = self.batch_io_v2(self.written_by_this_rank(transfers), write=True)
         return sum(sum(r) for r in res.values())
 
-    def _set_pool(self, spec: PoolSpec, keys, host_indices, relations=None) -> List[bool]:
+    def _set_pool(self, spec: PoolSpec, keys, host_indices) -> List[bool]:
         n = len(keys)
         if not self.is_writer and not spec.tp_sharded:
             return [True] * n  # MLA: pages shared by the TP ranks are written by the storage writer rank
         t0 = time.perf_counter()
         res, written = store_pages(self._store(), keys, self.digests(spec, keys), _pieces(spec, host_indices, n),
-                                   spec.page_bytes, relations)
+                                   spec.page_bytes)
         self._account(spec, res, t0, read=False, written=written)
         return res
 

@@ -72,6 +72,16 @@ class LocalTier:
             self._log_once("batch_exists", e)
             return 0
 
+    def mark_prefix(self, keys: List[str]) -> None:
+        """Mark the stored copies of a lookup's prefix keys used, if the pool's policy has the prefix mark: the
+        host serves these pages, and L3 keeps them for when it no longer does."""
+        try:
+            store = self._store()
+            if store.policy.prefix_mark:
+                store.touch(self.keyspace.digests(keys))
+        except Exception as e:
+            self._log_once("batch_exists", e)
+
     def get_v1(self, keys: List[str], host_indices) -> List[bool]:
         if not keys:
             return []
@@ -85,7 +95,7 @@ class LocalTier:
             self._log_once("batch_get_v1", e)
             return [False] * len(keys)
 
-    def set_v1(self, keys: List[str], host_indices, relations=None) -> List[bool]:
+    def set_v1(self, keys: List[str], host_indices) -> List[bool]:
         if not keys:
             return []
         if not self.is_writer:
@@ -93,8 +103,7 @@ class LocalTier:
         try:
             t0 = time.perf_counter()
             pieces = self._pieces(host_indices, len(keys))
-            res, written = store_pages(self._store(), keys, self.keyspace.digests(keys), pieces, self.page_bytes,
-                                       relations)
+            res, written = store_pages(self._store(), keys, self.keyspace.digests(keys), pieces, self.page_bytes)
             self.account(res, t0, read=False, written=written)
             return res
         except Exception as e:
@@ -148,11 +157,11 @@ class LocalTier:
             return False
 
     # ------------------------------------------------------------ v2 (hybrid models)
-    def io_v2(self, keys: List[str], host_indices, write: bool, relations=None) -> List[bool]:
+    def io_v2(self, keys: List[str], host_indices, write: bool) -> List[bool]:
         """The KV transfer of a v2 call: the KV pages themselves, under the keys v1 and legacy calls use, moved
         as those calls move them (pieces with interface_v1, else one flat page tensor a key)."""
         if self.uses_pieces:
-            return self.set_v1(keys, host_indices, relations) if write else self.get_v1(keys, host_indices)
+            return self.set_v1(keys, host_indices) if write else self.get_v1(keys, host_indices)
         host, ps = self.host_pool, int(getattr(self.host_pool, "page_size", 1) or 1)
         check_host_indices(host, host_indices, len(keys))
         out = []

@@ -22,7 +22,7 @@ same pool file and moves pages directly between its host pool and the file.
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 - Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
-  Lineage, TwoTiers, SecondTier), which are given what they use and never call it.
+  TwoTiers, SecondTier), which are given what they use and never call it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from maru_shm import Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
-from .lineage import Lineage
 from .localtier import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit
@@ -73,8 +72,6 @@ class MaruStorage(HiCacheStorage):
         # extra host pools of hybrid models (v2 API); a v2 call's KV transfer goes to the KV pages' tier
         self.hybrid = HybridPools(self.local, store, self.keyspace, storage_config, self.is_writer,
                                   self.pool.declare, self.log_once)
-        self.lineage = Lineage(self.config.prefix_eviction, store, self.keyspace, self.hybrid,
-                               self.log_once)  # how pages relate, for eviction
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
 
@@ -96,9 +93,12 @@ class MaruStorage(HiCacheStorage):
         return store if store is not None else self._attach()
 
     def _attach(self) -> Store:
+        """A pool this instance creates gets age stamps for a plain model, the count CLOCK for a hybrid one (v2
+        pools registered): each the rule that meets its model's goals (DESIGN.md section 8)."""
         if self.page_bytes is None:
             raise RuntimeError("MaruStorage used before register_mem_pool_host()")
-        return self.pool.attach([(self.page_bytes, "MaruStorage"), *self.hybrid.pages()])
+        return self.pool.attach([(self.page_bytes, "MaruStorage"), *self.hybrid.pages()],
+                                "count" if self.hybrid.pools else "age")
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Derive the page size from the host pool (an exact-fit class once the pool is attached), fix the
@@ -178,7 +178,11 @@ class MaruStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ v1 interface
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """Length of the leading run of keys present in the pool (then in the second tier, if any)."""
+        """Length of the leading run of keys present in the pool (then in the second tier, if any). The pool's
+        copies of the prefix keys (pages the host holds) are marked used where the eviction policy says so."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix:
+            self.local.mark_prefix(prefix)
         local = self.local_exists(keys)
         return self.tiers.exists(keys, local) if self.tiers is not None else local
 
@@ -202,15 +206,13 @@ class MaruStorage(HiCacheStorage):
         """Store pages from the host pool (and the second tier); keys already present are skipped (True)."""
         if not host_indices_fit(self.mem_pool_host, host_indices, len(keys), partial(self.log_once, "batch_set_v1")):
             return [False] * len(keys)
-        seg = self.lineage.segment(keys, extra_info, self.local_exists) if self.is_writer else None
-        res = self.local_set_v1(keys, host_indices, seg.records(keys) if seg is not None else None)
-        self.lineage.stored(seg)
+        res = self.local_set_v1(keys, host_indices)
         if self.tiers is not None and keys and self.is_writer:
             return self.tiers.write_through(keys, host_indices, res)
         return res
 
-    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor, relations=None) -> List[bool]:
-        return self.local.set_v1(keys, host_indices, relations)
+    def local_set_v1(self, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        return self.local.set_v1(keys, host_indices)
 
     # ------------------------------------------------------------ v2 interface (hybrid models: maru_sglang.hybrid)
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -254,9 +256,7 @@ class MaruStorage(HiCacheStorage):
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
-        seg = self.lineage.segment_v2(transfers, extra_info)
-        res = self.hybrid.batch_io_v2(transfers, write=True, segment=seg)
-        self.lineage.stored(seg)
+        res = self.hybrid.batch_io_v2(transfers, write=True)
         if self.tiers is None:
             return res
         return self.tiers.write_through_v2(self.hybrid.written_by_this_rank(transfers), res)

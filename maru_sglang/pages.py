@@ -72,13 +72,14 @@ def page_pieces(host_pool, host_indices, n: int, per: int, page_bytes: int | Non
 
 def mark_offered_again(store, digests: np.ndarray, found=None) -> None:
     """Stored pages a set offers again are marked used as a hit marks them (`Store.touch`; `found`: their
-    lookup, whose ok keys are the stored ones): a chain offered past a missing page has its gap filled by
-    this call, and the pages after the gap serve hits again."""
-    store.touch(digests, found)
+    lookup, whose ok keys are the stored ones), where the pool's eviction settings say so: a chain offered
+    past a missing page has its gap filled by this call, and the pages after the gap serve hits again."""
+    if store.policy.settings.offered_mark:
+        store.touch(digests, found)
 
 
 def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
-                page_bytes: int, relations=None) -> Tuple[List[bool], int]:
+                page_bytes: int) -> Tuple[List[bool], int]:
     """Write the pages not already stored with exactly `page_bytes` bytes; (per key ok, pages written).
 
     A page present is never written again (another instance wrote it first: same key, same bytes), and
@@ -89,7 +90,6 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     (`mark_offered_again`). The pages written are
     checked again under their shard lock at publication (skip_existing, assume_absent): a page another
     process publishes meanwhile keeps its first copy.
-    `relations` (one record per key, lineage.py) goes with the pages that are written.
     """
     n = len(keys)
     first = np.ones(n, dtype=bool)
@@ -112,13 +112,12 @@ def store_pages(store, keys: List[str], digests: np.ndarray, pieces: np.ndarray,
     written: list = []  # a key another process published since the lookup is skipped at publication
     if todo.size == n:
         res = store.batch_put_pieces(keys, pieces, skip_existing=True, digests=digests, assume_absent=True,
-                                     relations=relations, written=written)
+                                     written=written)
         return res, sum(written)
     res = [True] * n
     sel = todo.tolist()
     put = store.batch_put_pieces([keys[i] for i in sel], pieces[todo], skip_existing=True, digests=digests[todo],
-                                 assume_absent=True, relations=None if relations is None else relations[todo],
-                                 written=written)
+                                 assume_absent=True, written=written)
     for i, ok in zip(sel, put):
         res[i] = ok
     return res, sum(written)

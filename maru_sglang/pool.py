@@ -59,6 +59,7 @@ class SharedPool:
         self._warned: set[int] = set()
         self._pages: dict[int, str] = {}  # every page size declared: declared again in a reopened pool
         self._value_size: int | None = None  # what a pool this instance creates is sized for
+        self._eviction = "count"  # the ref rule of a pool this instance creates (Store.open's eviction)
         self._on_reattach = on_reattach
         self._lost: str | None = None  # why the pool is detached; None while attached (or not yet attached)
         self._next_check = 0.0  # monotonic time of the next path check on the calls' path
@@ -66,9 +67,10 @@ class SharedPool:
         self._healer: threading.Thread | None = None
         self._counts = {"losses": 0, "heals": 0, "reopen_failures": 0}
 
-    def attach(self, pages: list) -> Store:
+    def attach(self, pages: list, eviction: str = "count") -> Store:
         """The store, opened on the first call: created (if absent) for the smallest of `pages`, (bytes, what)
-        of every registered pool, and maru_min_page_bytes; then an exact-fit class for each page."""
+        of every registered pool, and maru_min_page_bytes, with the ref rule `eviction`; then an exact-fit class
+        for each page."""
         with self._lock:
             if self.store is None:
                 if self._closed:
@@ -78,7 +80,7 @@ class SharedPool:
                 # a logical anchor's empty KV pages (0 bytes) are markers beside the pages of its v2 pools
                 pages = [(n, what) for n, what in pages if n > 0]
                 sizes = [n for n, _ in pages] + [self.config.min_page_bytes] * bool(self.config.min_page_bytes)
-                self._value_size = min(sizes, default=None)
+                self._value_size, self._eviction = min(sizes, default=None), eviction
                 self.store = self._open(self._value_size)
                 self._next_check = time.monotonic() + self.config.heal_retry_s
                 for n, what in pages:
@@ -251,10 +253,10 @@ class SharedPool:
             # create=True also attaches to a ready pool, and formats again one whose creator died mid-format
             try:
                 store = Store.open(c.path, size=c.pool_size, create=True, timeout=c.timeout_s, mode=c.mode,
-                                   copy_threads=c.copy_threads, value_size=value_size)
+                                   copy_threads=c.copy_threads, value_size=value_size, eviction=self._eviction)
             except SizeMismatchError:
                 store = Store.open(c.path, create=True, timeout=c.timeout_s, mode=c.mode, copy_threads=c.copy_threads,
-                                   value_size=value_size)
+                                   value_size=value_size, eviction=self._eviction)
         except StoreError as e:
             raise RuntimeError(f"MaruStorage: cannot open pool {c.path}: {e}") from e
         if store.geo.file_size != c.pool_size and not store.created:
@@ -266,7 +268,7 @@ class SharedPool:
             except BaseException:
                 store.close()
                 raise
-        logger.info("maru: attached to %s (%s, %s granule, %d index slots, instance %s, slot %d)", c.path,
-                    format_size(store.geo.file_size), format_size(store.geo.granule), store.geo.index_slots,
-                    c.instance_id, store.slot)
+        logger.info("maru: attached to %s (%s, %s granule, %d index slots, %s eviction, instance %s, slot %d)",
+                    c.path, format_size(store.geo.file_size), format_size(store.geo.granule), store.geo.index_slots,
+                    "age-stamp" if store.policy.age else "count CLOCK", c.instance_id, store.slot)
         return store

@@ -8,7 +8,7 @@
 See docs/FORMAT.md for the file format and its crash-safety protocol.
 """
 
-from .allocator.relations import RELATION_DTYPE, chain as chain_relations
+from .allocator.policy import Settings as EvictionSettings, using as eviction_settings
 from .admin import check_pool, destroy_pool, is_device, plan_pool, remove_pool, repair_pool
 from .check import CheckReport
 from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
@@ -24,7 +24,7 @@ __version__ = "0.1.0"  # the package version too: pyproject.toml reads it from h
 
 __all__ = [
     # the store
-    "Store", "key_digest", "prefixed_digest", "prefixed_digests", "chain_relations", "RELATION_DTYPE",
+    "Store", "key_digest", "prefixed_digest", "prefixed_digests", "EvictionSettings", "eviction_settings",
     # administration and read-only views (the CLI's way in)
     "PoolView", "pool_report", "check_pool", "repair_pool", "destroy_pool", "remove_pool", "plan_pool", "is_device",
     "CheckReport", "Geometry",

@@ -21,8 +21,6 @@ point                       where the process dies                              
 ==========================  ==========================================================  ==========================
 ``put.after_alloc``         a put has RESERVED its blocks (CLASS lock released), before  after reserving, before
                             copying anything                                             commit
-``put.after_relations``     a put has written the relation records of its RESERVED      after reserving, before
-                            blocks, before copying anything                              commit
 ``alloc.mid_reuse``         a put reusing a block its process kept (an overwritten     after reserving, before
                             block) has bumped its word to RESERVED, before rewriting    commit
                             digest and length (no lock held)
@@ -96,7 +94,6 @@ ENV = "MARU_SHM_CRASH_AT"
 
 POINTS = (
     "put.after_alloc",
-    "put.after_relations",
     "alloc.mid_reuse",
     "put.mid_copy",
     "put.before_index",

@@ -56,7 +56,7 @@ SUPERBLOCK_LAYOUT = record(
     ("reserved_404", "V4"),
     ("demand_acc", "<u8"),       # hint, no lock: bytes allocated since the epoch began
     ("free_floor", "<u4"),       # hint, POOL: no unit below it is FREE: where the search for free units starts
-    ("doom_cursor", "<u4"),      # hint, no lock: next doom ring entry to write (section 6a)
+    ("age_tick", "<u4"),         # hint, no lock: the age clock of a pool with FLAG_AGE (section 6)
     ("heals", "<u8"),            # PROC: processes that attached after losing their previous pool
     ("lock_boot", "S16"),        # INIT: boot id of the boot in which the lock file was made to name this pool
     ("lock_dev", "<u8"),         # INIT: st_dev and st_ino of the lock file this pool was made (or adopted) with
@@ -73,7 +73,7 @@ RETIRED_OFF = field_off(SUPERBLOCK_LAYOUT, "retired")
 DEMAND_EPOCH_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_epoch")
 DEMAND_ACC_OFF = field_off(SUPERBLOCK_LAYOUT, "demand_acc")
 FREE_FLOOR_OFF = field_off(SUPERBLOCK_LAYOUT, "free_floor")
-DOOM_CURSOR_OFF = field_off(SUPERBLOCK_LAYOUT, "doom_cursor")
+AGE_TICK_OFF = field_off(SUPERBLOCK_LAYOUT, "age_tick")
 HEALS_OFF = field_off(SUPERBLOCK_LAYOUT, "heals")
 LOCK_BOOT_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_boot")
 LOCK_IDENTITY_OFF = field_off(SUPERBLOCK_LAYOUT, "lock_dev")
@@ -82,7 +82,11 @@ POOL_UUID_OFF = field_off(SUPERBLOCK_LAYOUT, "pool_uuid")  # read raw by whoever
 STATE_READY = 2
 
 FLAG_DEVICE = 1
-FLAG_RELATIONS = 2  # the pool has the relation records and the doom ring (section 6a); every new pool does
+# Pools made by versions with relation records: their region (16 B a granule, then 32 KiB, each page-aligned)
+# lies unused between the block metas and the data. No new pool sets it.
+FLAG_RETIRED = 2
+RETIRED_PER_GRANULE, RETIRED_FIXED = 16, 32 << 10
+FLAG_AGE = 4  # a block's meta `ref` is an age stamp, not a count (section 6)
 
 # --- locks ---------------------------------------------------------------
 # Every lock is one byte at LOCK_BASE + id of the pool's lock file, which starts with LOCK_FILE_HEAD:
@@ -108,7 +112,7 @@ CLASS_LAYOUT = record(
     ("hand", "<u8"),          # block CLOCK hand
     ("demand", "<u8"),        # decayed demand
     ("demand_epoch", "<u4"),  # the epoch of `demand`
-    ("related", "<u4"),       # nonzero once a value with a relation record may have been written into the class
+    ("reserved_60", "V4"),
 )
 CLASS_ENTRY = CLASS_LAYOUT.itemsize
 CLASS_STRUCT = record_struct(CLASS_LAYOUT, "kind", "declared_ns")
@@ -117,7 +121,6 @@ CLS_KIND, CLS_K, CLS_BLOCK, CLS_BPS = (field_off(CLASS_LAYOUT, f)
 CLS_PARTIAL, CLS_NSLABS, CLS_USED, CLS_DECLARED = (field_off(CLASS_LAYOUT, f)
                                                    for f in ("partial_head", "nslabs", "used_blocks", "declared_ns"))
 CLS_HAND, CLS_DEMAND, CLS_DEMAND_EPOCH = (field_off(CLASS_LAYOUT, f) for f in ("hand", "demand", "demand_epoch"))
-CLS_RELATED = field_off(CLASS_LAYOUT, "related")
 KIND_UNUSED, KIND_EXACT = 0, 2
 KIND_GEOMETRIC = KIND_GEOMETRIC  # defined with the size classes (sizeclasses.py), a kind like the others
 
@@ -206,8 +209,11 @@ META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT, META_TAIL_FLAGS_SHIFT = (
 META_TAIL_LENGTH_MASK = (1 << 8 * field_size(META_LAYOUT, "length")) - 1
 FLAG_PINNED = 1  # meta flags bit 0: eviction and slab moves leave this lifetime alone (Store.pin)
 # Meta `ref`: the block CLOCK's count. A hit or a touch raises it by one up to REF_MAX, the hand lowers it by
-# one as it passes: a value hit again before the hand comes back outlives one hit once.
+# one as it passes: a value hit again before the hand comes back outlives one hit once. In a pool with FLAG_AGE
+# it is an age stamp instead: the low byte of `age_tick` at the last write or hit.
 REF_MAX = 2
+AGE_TICKS = 64  # a pool with FLAG_AGE: `age_tick` advances once per data_bytes / AGE_TICKS bytes allocated
+AGE_CLAMP = 128  # ... and a stamp is never more than this many ticks old (section 6)
 FREE, RESERVED, LIVE = 0, 1, 2
 
 # Meta flags bits 1-7 hold the length check, 3 x length mod 125: any one or two flipped bits of the
@@ -232,14 +238,6 @@ def length_flags(length):
 def length_sound(length: int, flags: int) -> bool:
     """Does a meta's length agree with the check in its flags byte?"""
     return flags >> LENGTH_CHECK_SHIFT == length_check(length)
-
-# --- relation records and the doom ring (section 6a) -----------------------
-RELATION_LAYOUT = record(16, ("group", "<u4"), ("parent", "<u4"), ("depth", "<u2"),  # depth bit 15: trailing
-                         ("branch", "<u2"), ("tag", "<u2"), ("born", "<u2"))
-DOOM_LAYOUT = record(8, ("group", "<u4"), ("from", "<u2"), ("seq", "<u2"))
-RELATION_SIZE = RELATION_LAYOUT.itemsize
-DOOM_SIZE = DOOM_LAYOUT.itemsize
-DOOM_ENTRIES = 4096
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
@@ -284,10 +282,10 @@ def _geometric_count(granule: int, max_value: int) -> int:
 
 
 def _region_layout(proc_slots: int, n_units: int, index_shards: int, shard_slots: int, n_granules: int,
-                   data_align: int, relations: bool) -> tuple:
+                   data_align: int, retired: bool) -> tuple:
     """The one home of the region layout (section 1): offsets of locks, classes, process table, slab table,
     shard headers, index, block metas and data, each region page-aligned, the data `data_align`-aligned.
-    With `relations` the relation records and the doom ring sit between the block metas and the data."""
+    With `retired` (FLAG_RETIRED) the retired region sits between the block metas and the data."""
     page = 4096
     off_classes = _align(SUPERBLOCK_SIZE + LOCK_IDS * LOCK_RECORD.size, page)
     off_procs = _align(off_classes + CLASS_CAP * CLASS_ENTRY, page)
@@ -296,20 +294,10 @@ def _region_layout(proc_slots: int, n_units: int, index_shards: int, shard_slots
     off_index = _align(off_shards + index_shards * SHARD_HEADER, page)
     off_meta = _align(off_index + index_shards * shard_slots * ENTRY_SIZE, page)
     end = off_meta + n_granules * META_SIZE
-    if relations:  # relation records, then the doom ring (section 6a), both page-aligned
-        end = _relations_end(off_meta, n_granules)
+    if retired:
+        end = _align(_align(end, page) + n_granules * RETIRED_PER_GRANULE, page) + RETIRED_FIXED
     off_data = _align(end, data_align)
     return (SUPERBLOCK_SIZE, off_classes, off_procs, off_slabs, off_shards, off_index, off_meta, off_data)
-
-
-def _relations_offsets(off_meta: int, n_granules: int) -> tuple[int, int]:
-    """(off_relations, off_dooms) of a pool with FLAG_RELATIONS: right after the block metas."""
-    off_rel = _align(off_meta + n_granules * META_SIZE, 4096)
-    return off_rel, _align(off_rel + n_granules * RELATION_SIZE, 4096)
-
-
-def _relations_end(off_meta: int, n_granules: int) -> int:
-    return _relations_offsets(off_meta, n_granules)[1] + DOOM_ENTRIES * DOOM_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,19 +332,6 @@ class Geometry:
     def index_slots(self) -> int:
         return self.index_shards * self.shard_slots
 
-    @property
-    def has_relations(self) -> bool:
-        """Does the pool carry relation records and a doom ring (section 6a)? Pools made before them do not."""
-        return bool(self.flags & FLAG_RELATIONS)
-
-    @property
-    def off_relations(self) -> int:
-        return _relations_offsets(self.off_blockmeta, self.n_granules)[0] if self.has_relations else 0
-
-    @property
-    def off_dooms(self) -> int:
-        return _relations_offsets(self.off_blockmeta, self.n_granules)[1] if self.has_relations else 0
-
     def meta_of(self, offset: int) -> int:
         """File offset of the block meta of the granule holding data offset `offset`."""
         return self.off_blockmeta + (offset // self.granule) * META_SIZE
@@ -390,7 +365,7 @@ class Geometry:
     def plan(file_size: int, *, granule: int | None = None, unit_size: int | None = None,
              max_value: int = 64 << 20, index_slots: int | None = None,
              index_shards: int = 64, proc_slots: int = 128, data_align: int | None = None,
-             flags: int = FLAG_RELATIONS, n_geo_classes: int | None = None,
+             flags: int = 0, n_geo_classes: int | None = None,
              value_size: int | None = None) -> "Geometry":
         """Lay out a pool of `file_size` bytes; raise ValueError if it cannot hold one unit.
 
@@ -426,7 +401,7 @@ class Geometry:
             shard_slots = max(16, slots // index_shards)
             n_granules = n_units * unit_size // granule
             offs = _region_layout(proc_slots, n_units, index_shards, shard_slots, n_granules, data_align,
-                                  bool(flags & FLAG_RELATIONS))
+                                  bool(flags & FLAG_RETIRED))
             return shard_slots, offs[4], offs[5], offs[6], n_granules, offs[7]
 
         def slots_for(n_units: int) -> int:
@@ -444,7 +419,7 @@ class Geometry:
 
         # Largest n_units whose layout fits: the per-unit cost bounds it from above, and fits() is monotone,
         # so a binary search finds it in O(log n) layouts whatever the size.
-        per_unit = unit_size + SLAB_ENTRY + unit_size // granule * (META_SIZE + RELATION_SIZE * bool(flags & FLAG_RELATIONS))
+        per_unit = unit_size + SLAB_ENTRY + unit_size // granule * META_SIZE
         lo, hi = 0, max(0, file_size // per_unit)
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -460,7 +435,7 @@ class Geometry:
             n_geo_classes = len(geometric_sizes(granule, max_value))
         shard_slots, off_shards, off_index, off_meta, n_granules, off_data = layout(n_units, slots_for(n_units))
         off_locks, off_classes, off_procs, off_slabs = _region_layout(
-            proc_slots, n_units, index_shards, shard_slots, n_granules, data_align, bool(flags & FLAG_RELATIONS))[:4]
+            proc_slots, n_units, index_shards, shard_slots, n_granules, data_align, bool(flags & FLAG_RETIRED))[:4]
         return Geometry(
             file_size=file_size, granule=granule, unit_size=unit_size, n_units=n_units,
             n_geo_classes=n_geo_classes, class_cap=CLASS_CAP, proc_slots=proc_slots,
@@ -515,7 +490,7 @@ class Geometry:
         """Where plan() puts the regions for these counts (data aligned to data_align: the unit, or 2 MiB on
         DAX). A header re-signed with a valid checksum cannot move a region without changing a count."""
         return _region_layout(self.proc_slots, self.n_units, self.index_shards, self.shard_slots, self.n_granules,
-                              data_align, self.has_relations)
+                              data_align, bool(self.flags & FLAG_RETIRED))
 
 
     def shortfalls(self, value_size: int) -> list[str]:
@@ -560,8 +535,6 @@ class Geometry:
             (self.off_index, self.index_slots * ENTRY_SIZE),
             (self.off_blockmeta, self.n_granules * META_SIZE),
         ]
-        if self.has_relations:
-            order += [(self.off_relations, self.n_granules * RELATION_SIZE), (self.off_dooms, DOOM_ENTRIES * DOOM_SIZE)]
         order.append((self.off_data, self.data_bytes))
         end = SUPERBLOCK_SIZE
         for off, size in order:

@@ -19,7 +19,7 @@ from .access import check_mode, check_owner
 from .errors import (LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError,
                      StoreError, TruncatedPoolError, VersionError)
 from .creation import build_pool, format_pool, free_space
-from .format import (FLAG_DEVICE, FLAG_RELATIONS, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
+from .format import (FLAG_DEVICE, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
                      LOCK_INIT, MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
 from .lockfile import (boot_id, fit_to_pool, identity, lock_file_path, missing_error, name_pool, names_pool,
                        open_lock_file, remove_unused, serves, still_at)
@@ -300,7 +300,7 @@ def _initialise_or_read(fd: int, lock_fd: int, path: str, is_device: bool, size:
                             "pool whose creator died while formatting it is formatted)")
     if is_device:
         file_size = actual
-        plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE | FLAG_RELATIONS)
+        plan_kwargs = dict(plan_kwargs, data_align=DAX_ALIGN, flags=FLAG_DEVICE | plan_kwargs.get("flags", 0))
     elif size is None:
         raise StoreError(f"creating {path} needs a size (e.g. size='4G')")
     else:

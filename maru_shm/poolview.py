@@ -27,7 +27,7 @@ import numpy as np
 from . import faultguard
 from .errors import NotAPoolError, PoolDamagedError, StoreError
 from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
-                     ENTRY_WORD_OFF, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
+                     ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
                      LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
                      MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
                      PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
@@ -35,7 +35,6 @@ from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNT
 from .locks import lock_name, ofd_is_held
 from .lockfile import open_for_reading
 from .poolfile import dax_size, open_existing
-from .allocator.relations import Relations
 
 #: Version of the `report()` layout (the `maru-shm inspect --json` object).
 REPORT_SCHEMA = 2  # 2: a process's `alive` may be None (unknown), and `repair.locks_seen`
@@ -198,7 +197,6 @@ class _Snapshot:
         self.states = _column(v.mm, g.off_slabs + SLAB_STATE, g.n_units, SLAB_ENTRY, "<u4")
         self.clsfield = _column(v.mm, g.off_slabs + SLAB_CLS, g.n_units, SLAB_ENTRY, "<u4")
         self.classes = _read_classes(v.mm, g)
-        self.relations = Relations(v.mm, g)
 
     @property
     def meta(self):
@@ -271,7 +269,6 @@ def _class_rows(snap: _Snapshot) -> list[dict]:
         n_res = int((st == RESERVED).sum())
         n_held = int(((st == LIVE) & owned).sum())
         live_bytes = int(lengths[starts][lv].sum())
-        stranded_bytes = _stranded_bytes(snap, starts[lv], words[starts][lv], lengths[starts][lv])
         rows.append({
             "class": cid, "kind": "exact" if info["kind"] == KIND_EXACT else "geometric",
             "block_size": info["block"], "slab_units": info["k"], "blocks_per_slab": info["bps"],
@@ -279,20 +276,9 @@ def _class_rows(snap: _Snapshot) -> list[dict]:
             "used": n_live + n_res + n_held, "live": n_live, "reserved": n_res, "held": n_held,
             "free": int((st == 0).sum()),
             "live_bytes": live_bytes,
-            "stranded_bytes": stranded_bytes,
             "fragmentation": 1 - live_bytes / (n_live * info["block"]) if n_live else 0.0,
         })
     return rows
-
-
-def _stranded_bytes(snap: _Snapshot, granules, words, lengths) -> int:
-    """Live payload that its relation records and the doom ring say can no longer be a hit (FORMAT.md 6a)."""
-    rel = snap.relations
-    if not rel.enabled or not len(granules):
-        return 0
-    rows, valid = rel.of(granules, words)
-    by_group, by_parent = rel.stranded(rows, valid)
-    return int(lengths[valid & (by_group | by_parent)].sum())
 
 
 @_intact
@@ -482,11 +468,7 @@ def report(src) -> dict:
     space = _space(snap)
     allocated = sum(r["used"] * r["block_size"] for r in classes)
     live_block_bytes = sum(r["live"] * r["block_size"] for r in classes)
-    stranded = sum(r["stranded_bytes"] for r in classes)
     space.update({
-        "stranded_bytes": stranded,
-        "usable_bytes": space["live_bytes"] - stranded,
-        "usable_utilization": (space["live_bytes"] - stranded) / g.file_size,
         "slab_units": sum(r["slabs"] * r["slab_units"] for r in classes),
         "allocated_bytes": allocated,
         "fragmentation": 1 - space["live_bytes"] / live_block_bytes if live_block_bytes else 0.0,
@@ -507,6 +489,7 @@ def report(src) -> dict:
             "version": VERSION,
             "flags": g.flags,
             "device": bool(g.flags & FLAG_DEVICE),
+            "eviction": "age" if g.flags & FLAG_AGE else "count",
             "pool_uuid": g.pool_uuid.hex(),
             "created_ns": g.created_ns,
         },

@@ -138,7 +138,7 @@ class Publisher:
         for _ in range(2 * index.slots):  # bounded, whatever the shard says
             if not index.is_full(s):
                 return
-            victim = index.clock_victim(s, alloc.is_referenced, alloc.is_pinned)
+            victim = index.clock_victim(s, alloc.policy.shard_referenced, alloc.is_pinned)
             if victim is None or index.find(victim[0]) != victim[1:]:
                 # A count above the entries present, or an entry its own probe cannot reach
                 # (damage: removing it would fail, forever): rebuild the shard, once.

@@ -2,9 +2,9 @@
 
 A reader takes no lock. It believes an index entry only under the rule of validity.py, copies the
 value, then re-reads the block's meta word: a word changed during the copy means the block was reused
-under it, and the key reports a miss rather than torn bytes. A good copy raises the block's ref count
-(up to REF_MAX) and sets its slab's ref bit for the CLOCKs (one byte store each: a lost race only makes
-a value look less used).
+under it, and the key reports a miss rather than torn bytes. A good copy marks the block used, as the
+eviction policy says (allocator/policy.py), and sets its slab's ref bit for the slab CLOCK (one byte store
+each: a lost race only makes a value look less used).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 import numpy as np
 
 from .allocator import SMALL_BATCH
-from .format import META_REF_OFF, REF_MAX, SLAB_REF, U64
+from .format import SLAB_REF, U64
 from .pieces import Pieces, PieceTable, piece_lengths
 from .resolve import Resolved, resolve
 from .validity import Hit, block_start_problem, granule_shift, lookup
@@ -29,9 +29,8 @@ class ReadPath:
         self.lookup = functools.partial(lookup, att.index, att.mm, att.geo)  # (digest) -> Hit | None
 
     def _mark_used(self, offset: int, meta: int) -> None:
-        mm = self.att.mm
-        mm[meta + META_REF_OFF] = min(REF_MAX, mm[meta + META_REF_OFF] + 1)
-        mm[self.att.geo.slab_of(offset) + SLAB_REF] = 1
+        self.att.alloc.policy.mark_one(meta)
+        self.att.mm[self.att.geo.slab_of(offset) + SLAB_REF] = 1
 
     def copy_out(self, hit: Hit, pieces: Pieces | memoryview) -> bool:
         """Copy one value into destination pieces, or to the start of a writable byte view; False if its
@@ -155,7 +154,6 @@ class ReadPath:
         return len(offs)
 
     def _mark_used_many(self, offs: np.ndarray, gidx: np.ndarray) -> None:
-        """The batch form of _mark_used: ref counts of the blocks (granules gidx), ref bits of their slabs."""
-        refs = self.att.alloc.meta_refs
-        refs[gidx] = np.minimum(refs[gidx], REF_MAX - 1) + 1
+        """The batch form of _mark_used: the blocks (granules gidx), and the ref bits of their slabs."""
+        self.att.alloc.policy.mark_many(gidx)
         self.att.alloc.unit_refs[offs // self.att.geo.unit_size] = 1

@@ -30,7 +30,7 @@ import numpy as np
 
 from . import crashpoints as _cp
 from .allocator import Allocator
-from .allocator.relations import RELATION_DTYPE
+from .allocator.policy import flags_for as eviction_flags
 from .attachment import Attachment
 from .check import check_store
 from .copyengine import CopyEngine, check_threads
@@ -166,7 +166,7 @@ class Store:
              allow_foreign_owner: bool = False, granule: int | None = None, unit_size: int | None = None,
              max_value="64M", index_slots: int | None = None, index_shards: int = 64,
              proc_slots: int = 128, value_size=None, populate: bool = False,
-             copy_threads: int | None = None) -> "Store":
+             copy_threads: int | None = None, eviction: str = "count") -> "Store":
         """Open the pool at `path`, creating it with `size` bytes if `create` and it does not exist.
 
         Creation knobs (ignored for an existing pool, whose geometry is read from its header): granule
@@ -180,6 +180,9 @@ class Store:
 
         copy_threads: threads that copy one batch (the caller's included), on cores that nothing but their
         copying keeps busy (idlecores.py); default: every core, at most 4; 1: the calling thread alone.
+
+        eviction: the ref rule of a pool created now (FORMAT.md section 6), "count" (the CLOCK) or "age"
+        (age stamps); an existing pool keeps its own, and `EvictionSettings.age` overrides this.
         """
         timeout = check_timeout(timeout)
         copy_threads = check_threads(copy_threads)
@@ -189,7 +192,8 @@ class Store:
         size_b = parse_size(size) if size is not None else None
         plan = dict(granule=granule, unit_size=unit_size, max_value=parse_size(max_value),
                     index_slots=index_slots, index_shards=index_shards, proc_slots=proc_slots,
-                    value_size=parse_size(value_size) if value_size is not None else None)
+                    value_size=parse_size(value_size) if value_size is not None else None,
+                    flags=eviction_flags(eviction))
         pf = open_pool_file(os.fspath(path), size=size_b, create=create, mode=mode, timeout=timeout,
                             allow_foreign_owner=allow_foreign_owner, plan_kwargs=plan)
         try:
@@ -238,6 +242,7 @@ class Store:
     locks = property(lambda self: self.att.locks)
     index = property(lambda self: self.att.index)
     alloc = property(lambda self: self.att.alloc)
+    policy = property(lambda self: self.att.alloc.policy)  # the eviction decisions and their settings
     slot = property(lambda self: self.procs.slot)
     timeout = property(lambda self: self.locks.timeout)
     max_value = property(lambda self: self.geo.max_value)
@@ -438,19 +443,6 @@ class Store:
         return self.reader.touch(digest_array(digests), found)
 
     @_entry
-    def relation_of(self, digest: bytes) -> tuple[int, int] | None:
-        """(segment group, position) of `digest`'s value (FORMAT.md 6a); None: absent or doomed; (0, 0): no record."""
-        r = resolve(self.att, digest_array([digest]), full=False)
-        if not r.ok[0]:
-            return None
-        return self.att.alloc.relations.record_of(int(r.offsets[0]), int(r.words[0]))
-
-    @_entry
-    def doom_segment(self, group: int) -> None:
-        """This segment's values stored so far can no longer be a hit (its parent is gone): evicted first."""
-        self.att.alloc.relations.push(group)
-
-    @_entry
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
         d = key_digest(key) if digest is None else bytes(digest)
@@ -480,17 +472,16 @@ class Store:
         """
         return self.batch_put_pieces([key], [pieces])[0]
 
-    def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False, *, relations=None) -> list[bool]:
+    def batch_put(self, keys: Sequence, values: Sequence, skip_existing: bool = False) -> list[bool]:
         keeps = [buffer_address(v, writable=False) for v in values]
-        res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing,
-                                    relations=relations)
+        res = self.batch_put_pieces(keys, [[(a, n)] for a, n, _ in keeps], skip_existing=skip_existing)
         del keeps
         return res
 
     @_entry(owns_blocks=True)
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
-                         relations=None, written: list | None = None) -> list[bool]:
+                         written: list | None = None) -> list[bool]:
         """Store many values; per key True once committed and visible (or already present with skip_existing).
 
         With skip_existing the check is atomic: a key that another process
@@ -499,16 +490,12 @@ class Store:
         the keys are almost surely new: a present key is then still kept, by the check under its shard
         lock at publication, at the cost of one wasted copy.
         `digests` (an (n, 16) array or list of 16-byte digests) replaces hashing `keys`.
-        `relations` (from `maru_shm.chain_relations`, one record per key) says how the values relate, so eviction keeps
-        what can still be a hit (FORMAT.md section 6a); a value stored without one is evicted by the plain CLOCK.
         `written`: a list this call appends how many values it published to (present keys skipped: not).
         """
         darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
-        if relations is not None and (getattr(relations, "dtype", None) != RELATION_DTYPE or len(relations) != len(darr)):
-            raise ValueError("relations must be maru_shm.chain_relations(...) records, one per key")
-        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, relations, written)
+        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, written)
         self.counters.flush()
         return out
 

@@ -15,7 +15,6 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import SMALL_BATCH
 from .errors import StoreError
-from .format import LIVE, next_words
 from .index import digest_array
 from .pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
@@ -28,7 +27,7 @@ class WritePath:
         self.reap = reap  # () -> slots reaped: run when a class is out of room
 
     def put_batch(self, digests, pieces_list, skip_existing: bool, assume_absent: bool,
-                  relations=None, published_out: list | None = None) -> list[bool]:
+                  published_out: list | None = None) -> list[bool]:
         """Store one value per digest ((n, 16) uint8 array, or a list of 16-byte digests); the number of
         values published is appended to `published_out` when given."""
         n = len(digests)
@@ -46,16 +45,11 @@ class WritePath:
         if skip_existing and not assume_absent:
             present = resolve(self.att, digest_array(darr), full=False).ok.tolist()
         groups = self._by_class(lengths, present, res, one_class=not small and present is None)
-        if relations is not None:
-            self.att.alloc.relations.mark_classes(groups)  # before any record of this call is written
-        dooms = self.att.alloc.relations.cursor() if relations is not None else None
         placed_i, placed_off = self._reserve(groups, darr, lengths, small)
-        if dooms is not None and self.att.alloc.relations.cursor() != dooms:
-            self.att.alloc.reclaim_stranded()
         kind = ScalarPut if small else VectorPut
         in_order = len(groups) == 1 and len(placed_i) == n
         batch = kind(self.att, self.engine, darr, pieces, lengths, placed_i, placed_off, in_key_order=in_order)
-        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, res, relations)
+        published, to_free, evicted, evicted_bytes = self._write(batch, skip_existing, res)
         if not all(published):
             # still owned by us until freed: a crash here is reaped
             to_free += [(off, w) for off, w, p in zip(placed_off, batch.lives, published) if not p]
@@ -127,16 +121,11 @@ class WritePath:
                 _cp.hit("put.after_alloc")
         return placed_i, placed_off
 
-    def _write(self, batch, skip_existing: bool, res: list, relations):
+    def _write(self, batch, skip_existing: bool, res: list):
         """Copy, commit and publish the placed blocks: (published flags, to free, evictions, evicted bytes)."""
         if not len(batch):
             return [], [], 0, 0
-        reserved = batch.reserved()
-        if relations is not None:
-            lives = next_words(np.asarray(reserved, dtype=np.uint64), LIVE)
-            self.att.alloc.relations.write(batch.placed_off, lives, relations[batch.placed_i])
-            if _cp.ARMED is not None:
-                _cp.hit("put.after_relations")
+        batch.reserved()  # bounds-checks every block, computes what the commit and the publication need
         batch.copy()
         batch.commit()
         if _cp.ARMED is not None:

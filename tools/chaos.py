@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from maru_shm import LockTimeout, Store, chain_relations, remove_pool
+from maru_shm import LockTimeout, Store, remove_pool
 
 SIZES = (4096, 5000, 20000, 70000, 131072)
 
@@ -58,7 +58,7 @@ def worker(path: str, wid: int, nkeys: int, counters, seed: int, threads: int = 
 
 
 def _work(store, wid: int, nkeys: int, counters, seed: int) -> None:
-    """Mixed workload: put, get, delete, overwrite, batch put (half with relation records)/get/exists."""
+    """Mixed workload: put, get, delete, overwrite, batch put/get/exists."""
     rnd = random.Random(seed)
     ops = 0
     while True:
@@ -78,9 +78,8 @@ def _work(store, wid: int, nkeys: int, counters, seed: int) -> None:
                 # range is locked at once, locks.dense_range)
                 n, size = (16, 131072) if rnd.random() < 0.5 else (128, 4096)
                 keys = [f"k{rnd.randrange(nkeys)}" for _ in range(n)]
-                rel = chain_relations(n, group=rnd.randrange(1, 64)) if rnd.random() < 0.5 else None  # FORMAT.md 6a
                 store.batch_put(keys, [make_value(k, rnd.getrandbits(40), size) for k in keys],
-                                skip_existing=rnd.random() < 0.5, relations=rel)
+                                skip_existing=rnd.random() < 0.5)
             else:
                 keys = [f"k{rnd.randrange(nkeys)}" for _ in range(16)]
                 outs = [bytearray(131072) for _ in keys]

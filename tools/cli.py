@@ -120,7 +120,8 @@ def cmd_create(args) -> int:
             plan_pool(args.size, **{**_open_defaults(), **knobs})
         except ValueError as e:
             raise CliError(f"cannot create a pool at {path}: {e}") from None
-    store = Store.open(path, size=None if device else args.size, create=True, mode=args.mode, **knobs)
+    store = Store.open(path, size=None if device else args.size, create=True, mode=args.mode,
+                       eviction=args.eviction, **knobs)
     try:
         created, g = store.created, store.geo
     finally:
@@ -130,7 +131,7 @@ def cmd_create(args) -> int:
     _print(f"created {path}: {render.size(g.file_size)}, data {render.size(g.data_bytes)} in "
            f"{g.n_units} units of {render.size(g.unit_size)}, granule {render.size(g.granule)}, "
            f"index {g.index_slots} slots, "
-           f"{g.proc_slots} process slots, mode {args.mode:04o}")
+           f"{g.proc_slots} process slots, {args.eviction} eviction, mode {args.mode:04o}")
     return EXIT_OK
 
 
@@ -387,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "per 16 KiB of data, more for a smaller --value-size)")
     c.add_argument("--index-shards", type=int, help=f"index shards, a power of two (default {d.get('index_shards')})")
     c.add_argument("--proc-slots", type=int, help=f"process table slots (default {d.get('proc_slots')})")
+    c.add_argument("--eviction", choices=("count", "age"), default="count",
+                   help="the pool's ref rule: count (the CLOCK, default; a hybrid model's) or age (age stamps: "
+                        "what MaruStorage creates for a plain model)")
     c.set_defaults(func=cmd_create)
 
     i = sub.add_parser("inspect", help="show geometry, size classes, index, processes and counters",

@@ -127,7 +127,7 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
 
     kind = "DAX device" if f["device"] else "regular file"
     out.append(Section("Pool", pairs=[
-        ("path", rep["path"]), ("format", f"version {f['version']}, {kind}"),
+        ("path", rep["path"]), ("format", f"version {f['version']}, {kind}, {f.get('eviction', 'count')} eviction"),
         ("uuid", f["pool_uuid"]), ("created", when(f["created_ns"])),
         ("file size", size(g["file_bytes"])), ("header", size(g["header_bytes"])),
         ("data area", size(g["data_bytes"])), ("units", f"{count(g['units'])} x {size(g['unit_size'])}"),
@@ -138,8 +138,6 @@ def sections(rep: dict, prev: dict | None = None) -> list[Section]:
     out.append(Section("Space", pairs=[
         ("live payload", f"{size(sp['live_bytes'])} in {count(sp['live_blocks'])} blocks"),
         ("utilization", f"{pct(sp['utilization'])} of file, {pct(sp['data_utilization'])} of data"),
-        ("usable payload", f"{size(sp['usable_bytes'])}, {pct(sp['usable_utilization'])} of file "
-                           f"({size(sp['stranded_bytes'])} stranded)"),
         ("allocated", f"{size(sp['allocated_bytes'])} ({count(sp['reserved_blocks'])} reserved blocks)"),
         ("fragmentation", pct(sp["fragmentation"])),
         ("slabs", f"{count(sp['slabs'])} over {count(sp['slab_units'])} units"),

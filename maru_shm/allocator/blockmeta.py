@@ -14,7 +14,7 @@ import numpy as np
 from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
                       META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
                       META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
-                      REF_MAX, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
 from ..records import record_struct
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
@@ -65,19 +65,6 @@ class BlockMetas:
         """Is the block at this data offset pinned (Store.pin)? Out of range: no."""
         return 0 <= offset < self.geo.data_bytes and bool(self.mm[self.meta_off(offset) + META_FLAGS_OFF] & FLAG_PINNED)
 
-    def is_referenced(self, offset: int, age: bool = False) -> bool:
-        """Is the block's ref count above 0 (for the index-pressure CLOCK); `age`: lower it by one, as the
-        block CLOCK's hand does. A pinned block always is."""
-        if not 0 <= offset < self.geo.data_bytes:
-            return False
-        m = self.meta_off(offset)
-        if self.mm[m + META_FLAGS_OFF] & FLAG_PINNED:
-            return True
-        ref = self.mm[m + META_REF_OFF]
-        if ref and age:
-            self.mm[m + META_REF_OFF] = min(ref, REF_MAX) - 1
-        return bool(ref)
-
     @staticmethod
     def columns(q: np.ndarray):
         """(owner, ref count above 0, pinned) of meta rows q (numpy)."""
@@ -88,14 +75,16 @@ class BlockMetas:
         return owner, ref, pinned
 
     # ---------------------------------------------------------------- lifetimes
-    def reserve(self, offset: int, digest: bytes, length: int, owner: int) -> None:
-        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned)."""
+    def reserve(self, offset: int, digest: bytes, length: int, owner: int, ref: int = 0) -> None:
+        """FREE -> RESERVED in one write of the whole meta (flags: the length's check; not pinned). `ref`: the
+        eviction policy's value for a new lifetime."""
         m = self.meta_off(offset)
         word = U64.unpack_from(self.mm, m)[0]
-        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, 0,
+        self.mm[m:m + META_SIZE] = META_STRUCT.pack(next_word(word, RESERVED), digest, length, owner, ref,
                                                     length_flags(length))
 
-    def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int) -> None:
+    def reserve_many(self, offsets: list[int], dig: np.ndarray, lengths: np.ndarray, owner: int,
+                     ref: int = 0) -> None:
         """FREE -> RESERVED for a batch of blocks (CLASS lock held), one numpy pass per field.
 
         `dig` holds the digests as (n, 2) little-endian u64 halves, `lengths` the value lengths (u64).
@@ -110,9 +99,9 @@ class BlockMetas:
         q[g, _D0] = dig[:, 0]
         q[g, _D1] = dig[:, 1]
         flags = length_flags(lengths) << np.uint64(_FLAGS_SHIFT)
-        q[g, _TAIL] = lengths | flags | np.uint64(owner << _OWNER_SHIFT)  # ref 0; flags: the check, not pinned
+        q[g, _TAIL] = lengths | flags | np.uint64(owner << _OWNER_SHIFT | ref << _REF_SHIFT)  # flags: the check, not pinned
 
-    def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, crash_point) -> None:
+    def re_reserve(self, m: int, word: int, digest: bytes, length: int, owner: int, ref: int, crash_point) -> None:
         """A kept block (LIVE, ours, unindexed) starts a new lifetime: the word first, then the rest."""
         mm = self.mm
         store_u64(mm, m, next_word(word, RESERVED))
@@ -120,7 +109,7 @@ class BlockMetas:
         # One copy of the packed bytes, never struct.pack_into on the mapping: it zero-fills its target
         # before packing, and the live check, which reads this meta without the class lock we do not
         # hold here, would see a RESERVED block owned by nobody.
-        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, 0, length_flags(length))  # not pinned
+        mm[m + META_DIGEST_OFF:m + META_SIZE] = _REST.pack(digest, length, owner, ref, length_flags(length))  # not pinned
 
     def free(self, m: int) -> None:
         """End a lifetime: word bumped to FREE first (readers miss from then on), then owner and ref cleared."""

@@ -1,10 +1,8 @@
-"""Policy: which class deserves the pool's units (memcached's slab_automove.c, here decided per allocation).
+"""The retention rule: which classes may give a slab to one that must make room (memcached's slab_automove.c).
 
-Every allocation adds its bytes to its class's decayed demand (FORMAT.md section 4); a class that must
-make room asks `donors` which classes may give it a slab (slabmover.py), and evicts its own blocks
-(blockclock.py) when none may. This module decides and never moves anything. The rule balances
+Every allocation adds its bytes to its class's decayed demand (FORMAT.md section 4); `donors` answers by
 *retention*, a class's slab bytes over its decayed demand (DESIGN.md section 7): a request survives only
-while its class with the shortest retention keeps its pages.
+while its class with the shortest retention keeps its pages. policy.py asks; nothing here moves anything.
 """
 
 from __future__ import annotations
@@ -18,15 +16,9 @@ from .classtable import ClassInfo
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes
 # (an epoch).
 DEMAND_EPOCH_DIV = 4
-# A move evicts the window's values, and each strands the pages its request has in the other classes, so
-# it pays only for a real shift in demand: the giver's retention after giving must be 1 + MOVE_MARGIN
-# times the taker's after taking. At 0.3 and 1.0 demand noise alone moved slabs on the prefix-tree family
-# (hybrid, chat: up to -16 % tokens in a cell); at 3.0 every cell of it serves the tokens it serves with no
-# move by this rule, and a new class on a full pool still takes its share (the mixshift benchmark).
-MOVE_MARGIN = 3.0
 
 
-class DemandPolicy:
+class Demand:
     def __init__(self, mm, geo):
         self.mm, self.geo = mm, geo
         cap, oc = geo.class_cap, geo.off_classes
@@ -61,9 +53,9 @@ class DemandPolicy:
         U64.pack_into(mm, co + CLS_DEMAND, min(dem + nbytes, 2**63))
         U32.pack_into(mm, co + CLS_DEMAND_EPOCH, epoch)
 
-    def donors(self, info: ClassInfo) -> np.ndarray:
+    def donors(self, info: ClassInfo, margin: float) -> np.ndarray:
         """The classes (ids) that may give a slab to class c = `info` now (the rule: DESIGN.md section 7).
-        With retention r = slab units / decayed demand, d may give one if r_d after >= (1 + MOVE_MARGIN) x
+        With retention r = slab units / decayed demand, d may give one if r_d after >= (1 + margin) x
         r_c after. "After" for d is less c's k units, not d's: the window is c's size and may take several
         of d's smaller slabs. Other classes' counters are read without their locks: a stale value only
         shifts one decision.
@@ -84,4 +76,4 @@ class DemandPolicy:
             giver = np.where(dem > 0, (units - k[cid]) / dem, np.inf)
         others = has_slab.copy()
         others[cid] = False
-        return np.flatnonzero(others & (giver >= (1 + MOVE_MARGIN) * taker))
+        return np.flatnonzero(others & (giver >= (1 + margin) * taker))

@@ -3,9 +3,9 @@
     classtable   size classes as last read          slabtable   slab entries, bitmaps, partial lists
     blockmeta    block lifetimes (the metas)        freeruns    free units, the free floor
     kept         blocks kept for our next puts      reserve     allocation, making room
-    release      freeing and its derived state      demand      POLICY: move a slab or evict within
+    release      freeing and its derived state      policy      POLICY: every eviction decision (Settings)
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
-    relations    how values relate, the doom ring   (hints the block CLOCK orders its victims by)
+    demand       class demand, the retention rule
     repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
 
 What only the layer above knows comes in through `host` (host.AllocatorHost).
@@ -16,21 +16,17 @@ from __future__ import annotations
 from .blockclock import BlockClock
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
-from .demand import DemandPolicy
+from .demand import Demand
 from .freeruns import FreeRuns
 from .host import AllocatorHost
 from .kept import KeptBlocks, keep_limit
 from .locking import AllocatorLocks
-from .relations import Relations
+from .policy import EvictionPolicy, current
 from .release import BlockRelease
 from .repair import Repairer
 from .reserve import Reserver
 from .slabmover import SlabMover
 from .slabtable import SlabTable
-
-# A reclaim frees what the dooms strand, and each value it frees dooms its segment's descendants in turn: it
-# repeats while its last round pushed dooms, at most this many rounds (a conversation's turns chain this deep).
-RECLAIM_ROUNDS = 8
 
 
 class Allocator:
@@ -43,17 +39,16 @@ class Allocator:
         self.slabs = SlabTable(mm, geo, self.class_table)
         self.metas = BlockMetas(mm, geo)
         self.runs = FreeRuns(mm, geo, self.slabs, self.class_table)
-        self.demand = DemandPolicy(mm, geo)
+        self.demand = Demand(mm, geo)
+        self.policy = EvictionPolicy(current(), mm, geo, self.metas.meta_refs, self.demand)
         self.kept_blocks = KeptBlocks(self.metas, self.slabs)
         self.release = BlockRelease(host, self.locks, self.slabs, self.metas, self.kept_blocks)
-        self.relations = Relations(mm, geo)
-        self.clock = BlockClock(host, self.slabs, self.metas, self.release, self.relations)
-        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release,
-                               self.relations)
+        self.clock = BlockClock(host, self.slabs, self.metas, self.release, self.policy)
+        self.mover = SlabMover(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.repairer = Repairer(host, self.locks, self.class_table, self.slabs, self.metas, self.runs, self.release)
         self.locks.repair_class = self.repairer.repair_class
         self.locks.repair_pool = self.repairer.repair_pool
-        self.reserver = Reserver(self.locks, self.slabs, self.metas, self.kept_blocks, self.runs, self.demand,
+        self.reserver = Reserver(self.locks, self.slabs, self.metas, self.kept_blocks, self.runs, self.policy,
                                  self.clock, self.mover)
         # The calls on every get and put go straight to the part that answers them (one Python call less).
         self.class_for = self.class_table.class_for          # (n) -> ClassInfo | None
@@ -61,7 +56,6 @@ class Allocator:
         self.block_index = self.slabs.block_index            # (offset) -> (head, ClassInfo, block) | None
         self.meta_off = geo.meta_of                          # (offset) -> file offset of its block meta
         self.is_pinned = self.metas.is_pinned                # (offset) -> bool
-        self.is_referenced = self.metas.is_referenced        # (offset, age=False) -> bool
         self.allocate = self.reserver.allocate               # (info, digests, lengths, owner) -> offsets
         self.free_blocks = self.release.free_blocks          # (blocks, keep=0) -> blocks freed
 
@@ -70,7 +64,7 @@ class Allocator:
         self.slabs.release_views()
         self.metas.release_views()
         self.demand.release_views()
-        self.relations.release_views()
+        self.policy.release_views()
 
     # ---------------------------------------------------------------- views (numpy, over the mapping)
     states = property(lambda self: self.slabs.states)
@@ -111,33 +105,12 @@ class Allocator:
         return self.slabs.class_slabs(cid)
 
     # ---------------------------------------------------------------- eviction and free units
-    def reclaim_stranded(self) -> int:
-        """Free, in every class, the values a doom has stranded (relations.py); blocks freed.
-
-        Called by a writer whose allocation pushed dooms, holding no lock: a request whose page one class
-        evicted then leaves every pool at once, and the other classes' next writes find free blocks instead
-        of evicting further requests' pages. A class larger than STRANDED_SCAN blocks gives up one window
-        of slabs a round (blockclock.py); its next searches go on from there."""
-        freed = 0
-        nslabs = self.demand.cls_nslabs  # read without the class locks: a hint, evict_blocks reads the slabs
-        for _ in range(RECLAIM_ROUNDS):
-            cursor = self.relations.cursor()
-            for cid in self.relations.related_classes().tolist():
-                info = self.class_table.info(cid)
-                if info is None or not nslabs[cid]:
-                    continue
-                with self.locks.class_lock(info.cid):
-                    freed += self.clock.evict_blocks(info, 1 << 30, stranded_only=True)
-            if self.relations.cursor() == cursor:
-                break
-        return freed
-
     def evict_blocks(self, info: ClassInfo, m: int) -> int:
         return self.clock.evict_blocks(info, m)
 
     def donors(self, info: ClassInfo):
-        """The classes (ids) that may give this class a slab now (demand.py)."""
-        return self.demand.donors(info)
+        """The classes (ids) that may give this class a slab now (policy.py)."""
+        return self.policy.donors(info)
 
     def find_free_run(self, k: int) -> int | None:
         return self.runs.find_free_run(k)

@@ -180,10 +180,10 @@ class KeptBlocks:
             self.lists.setdefault(cid, []).extend(
                 (off, self.metas.word(self.metas.meta_off(off))) for off in offsets)
 
-    def reuse(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
+    def reuse(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int, ref: int) -> list[int]:
         """Re-reserve kept blocks for the first values of a batch, without a lock (FORMAT.md section 8, put step
         6). A block whose word or owner is not what was kept (the pool was cleared) is dropped and left alone.
-        No demand is counted: the class does not grow."""
+        No demand is counted: the class does not grow. `ref`: the eviction policy's value for a new lifetime."""
         m = len(lengths)
         with self._guard:
             lst = self.lists.get(info.cid)
@@ -198,7 +198,7 @@ class KeptBlocks:
                 continue
             j = len(out)
             self.metas.re_reserve(self.metas.meta_off(off), word, digest_bytes(digests[j]), int(lengths[j]), owner,
-                                  _crash_mid_reuse)
+                                  ref, _crash_mid_reuse)
             out.append(off)
         return out
 

@@ -1,8 +1,8 @@
 """Allocation: reserve one block per value, making room when the class has none (FORMAT.md section 8, DESIGN.md section 7).
 
 Blocks come from the process's kept blocks first (no lock, kept.py), then from the class's partial
-slabs under CLASS[c]; with none left the class makes room: free units for a new slab, else a slab move
-or eviction within the class, as demand.py decides.
+slabs under CLASS[c]; with none left the class makes room as policy.py decides, with the mechanisms here
+(free units for new slabs, a slab move) and in blockclock.py (eviction within the class).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 from .blockclock import BlockClock
 from .blockmeta import SMALL_BATCH, BlockMetas, digest_bytes
 from .classtable import ClassInfo
-from .demand import DemandPolicy
 from .freeruns import FreeRuns
 from .kept import KeptBlocks, spare_limit
 from .locking import AllocatorLocks
+from .policy import EvictionPolicy
 from .slabmover import SlabMover
 from .slabtable import SlabTable
 
@@ -24,9 +24,9 @@ _NO_DIGEST = bytes(16)  # a spare's digest: it holds no value yet
 
 class Reserver:
     def __init__(self, locks: AllocatorLocks, slabs: SlabTable, metas: BlockMetas, kept: KeptBlocks,
-                 runs: FreeRuns, demand: DemandPolicy, clock: BlockClock, mover: SlabMover):
+                 runs: FreeRuns, policy: EvictionPolicy, clock: BlockClock, mover: SlabMover):
         self.locks, self.slabs, self.metas, self.kept = locks, slabs, metas, kept
-        self.runs, self.demand, self.clock, self.mover = runs, demand, clock, mover
+        self.runs, self.policy, self.clock, self.mover = runs, policy, clock, mover
 
     def allocate(self, info: ClassInfo, digests: np.ndarray, lengths: np.ndarray, owner: int) -> list[int]:
         """Reserve one block per value; return their data offsets.
@@ -39,7 +39,8 @@ class Reserver:
         block must carry its owner by then, or the eviction that makes room for the rest could free the
         slab under it.
         """
-        out: list[int] = self.kept.reuse(info, digests, lengths, owner) if self.kept.count(info.cid) else []
+        out: list[int] = self.kept.reuse(info, digests, lengths, owner, self.policy.birth()) \
+            if self.kept.count(info.cid) else []
         if len(out) == len(lengths):
             return out
         return self._allocate_locked(info, digests, lengths, owner, out)
@@ -60,13 +61,13 @@ class Reserver:
         # Bounded: each round takes blocks, takes a slab off the partial list, makes room or rebuilds once.
         rounds = m + 2 * self.slabs.geo.n_units + 4
         with self.locks.class_lock(cid):
-            self.demand.add(cid, (m - len(out)) * info.block)
+            self.policy.allocated(cid, (m - len(out)) * info.block)
             while len(out) + len(pending) < m and rounds > 0:
                 rounds -= 1
                 head = self.slabs.partial_head(cid)
                 if head == 0:
                     reserve_pending()
-                    if not self._make_room(info, m - len(out)):
+                    if not self.policy.make_room(self, info, m - len(out)):
                         break
                     continue
                 if not self.slabs.usable_partial(head - 1, info):
@@ -97,41 +98,28 @@ class Reserver:
         self.slabs.take_free(head - 1, info, want, True, spares)
         self.kept.track(spares)
         for off in spares:
-            self.metas.reserve(off, _NO_DIGEST, 0, owner)
+            self.metas.reserve(off, _NO_DIGEST, 0, owner, self.policy.birth())
         self.kept.give_back(info.cid, spares)
 
     def _reserve(self, offsets: list[int], digests, lengths, owner: int, small: bool) -> None:
+        ref = self.policy.birth()
         if small:  # scalar meta writes
             for j, off in enumerate(offsets):
-                self.metas.reserve(off, digest_bytes(digests[j]), int(lengths[j]), owner)
+                self.metas.reserve(off, digest_bytes(digests[j]), int(lengths[j]), owner, ref)
         else:
-            self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner)
+            self.metas.reserve_many(offsets, digests[:len(offsets)], lengths[:len(offsets)], owner, ref)
 
-    def _make_room(self, info: ClassInfo, nblocks: int) -> bool:
-        """CLASS[c] held, the class has no free block: make room for up to `nblocks` more.
-
-        Free units first (new slabs, one POOL round). Without them: a slab move (slab CLOCK) from the
-        classes the demand policy names donors, else evict blocks of this class (block CLOCK); with no
-        donor and no victim, a move from any class. False if no room could be made.
-        """
-        need = -(-nblocks // info.bps)
-        if nblocks >= info.bps:
-            need += 1  # a batch that fills whole slabs formats one more: the next batch finds it partial
+    def format_free_slabs(self, info: ClassInfo, nblocks: int) -> bool:
+        """CLASS[c] held: format new slabs of the class on free units (one POOL round), enough for `nblocks`
+        blocks, and one more for a batch that fills whole slabs (the next batch finds it partial); any?"""
+        need = -(-nblocks // info.bps) + (nblocks >= info.bps)
         with self.locks.pool_lock():
             runs = self.runs.find_free_runs(info.k, need)
             for u in runs:
                 self.slabs.format(u, info)
-            if runs:
-                return True
-        if self.clock.evict_blocks(info, nblocks, stranded_only=True):
-            return True  # values that can no longer be a hit go before any slab move or CLOCK victim
+        return bool(runs)
+
+    def move_slab(self, info: ClassInfo, donors) -> bool:
+        """CLASS[c] held: a slab move into the class from the `donors` classes (None: any class)."""
         with self.locks.pool_lock():
-            donors = self.demand.donors(info)
-            if len(donors) and self.mover.move_slab(info, set(donors.tolist())):
-                return True
-        if self.clock.evict_blocks(info, nblocks):
-            return True
-        if not len(donors):  # every block of the class in flight or pinned: a slab of any class will do
-            with self.locks.pool_lock():
-                return self.mover.move_slab(info)
-        return False
+            return self.mover.move_slab(info, donors)

@@ -17,16 +17,15 @@ from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
 from .locking import AllocatorLocks
-from .relations import Relations
 from .release import BlockRelease
 from .slabtable import SlabTable
 
 
 class SlabMover:
     def __init__(self, host, locks: AllocatorLocks, classes: ClassTable, slabs: SlabTable, metas: BlockMetas,
-                 runs: FreeRuns, release: BlockRelease, relations: Relations):
+                 runs: FreeRuns, release: BlockRelease):
         self.host, self.locks, self.class_table, self.slabs = host, locks, classes, slabs
-        self.metas, self.runs, self.release, self.relations = metas, runs, release, relations
+        self.metas, self.runs, self.release = metas, runs, release
 
     def move_slab(self, info: ClassInfo, donors=None) -> bool:
         """CLASS[c] and POOL held: empty a slab-CLOCK window of the `donors` classes' slabs (class ids; None: any
@@ -121,7 +120,6 @@ class SlabMover:
         word that moved on since `before`)."""
         before = [self.metas.meta_words[self._granules(h, info)] for h, info in slabs]  # copies (fancy index)
         live, lengths, where = self._live_blocks(slabs)
-        rows, valid, orphaned = self._records(live)
         gone = np.zeros(len(live), dtype=bool)
         if live:
             halves = np.frombuffer(b"".join([d for d, _, _ in live]), dtype="<u8").reshape(-1, 2)
@@ -129,9 +127,6 @@ class SlabMover:
                                                np.array([w for _, _, w in live], dtype=np.uint64))
         evicted = int(gone.sum())
         evicted_bytes = sum(n for n, g in zip(lengths, gone.tolist()) if g and n > 0)
-        doomed = gone & valid
-        if doomed.any():  # the window's evicted values strand what depends on them (relations.py)
-            self.relations.doom(rows[doomed], orphaned[doomed])
         moved = 0
         for s, ((h, info), words) in enumerate(zip(slabs, before)):
             if self.slab_evictable(h, info) and (self.metas.meta_words[self._granules(h, info)] == words).all():
@@ -141,19 +136,6 @@ class SlabMover:
                 self.release.free_listed(info.cid, [live[j][1:] for j in np.flatnonzero((where == s) & gone)])
         self.host.count(evictions=evicted, evicted_bytes=evicted_bytes, slab_moves=moved,
                         orphans_freed=len(live) - evicted)
-
-    def _records(self, live: list):
-        """The live values' relation records, read once, and masks of those that apply and of those stranded
-        through their parent (their dooms take the whole segment, relations.doom)."""
-        none = np.zeros(len(live), dtype=bool)
-        if not live or not self.relations.enabled:
-            return None, none, none
-        g = np.array([off for _, off, _ in live], dtype=np.int64) >> self.metas.shift
-        rows, valid = self.relations.of(g, np.array([w for _, _, w in live], dtype=np.uint64))
-        if not self.relations.doomed_any():
-            return rows, valid, none
-        _, by_parent = self.relations.stranded(rows, valid)
-        return rows, valid, valid & by_parent
 
     def _live_blocks(self, slabs):
         """(digest, offset, word), length and slab (position in `slabs`) of every LIVE block of the slabs. A length

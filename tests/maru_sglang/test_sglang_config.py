@@ -54,6 +54,18 @@ def test_maru_server_keys_are_accepted_with_one_warning(make_instance, caplog):
         assert key in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_the_retired_prefix_eviction_key_is_accepted_and_ignored_with_one_warning(make_instance, caplog, value):
+    """maru_prefix_eviction turned on relation records, which are gone: a config naming it still loads, says once
+    that the key is ignored, and the backend works as usual."""
+    host, backend = make_instance(pages=4, maru={"maru_prefix_eviction": value})
+    warnings = [r.getMessage() for r in _maru_records(caplog)]
+    assert len(warnings) == 1 and "maru_prefix_eviction" in warnings[0] and "ignor" in warnings[0], warnings
+    keys = prompt_keys(4, f"retired-{value}")
+    assert all(backend.batch_set_v1(keys, page_indices(host, 0, 4)))
+    assert backend.batch_exists(keys) == 4
+
+
 def test_unknown_maru_keys_are_warned_by_name(make_instance, caplog):
     _, backend = make_instance(pages=2, maru={"maru_pool_sise": "1G", "maru_frobnicate": 1, "other_key": 2})
     msgs = [r.getMessage() for r in _maru_records(caplog)]

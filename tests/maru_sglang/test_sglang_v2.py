@@ -458,43 +458,6 @@ def test_evicted_kv_page_ends_the_prefix_and_orphans_never_count(twin):
     assert t.exists_v2(keys, t.query(["mamba", "draft"])) == (4, {"kv": 5, "mamba": 4, "draft": 5}, [2, 4])
 
 
-def test_a_hybrid_model_writes_no_relation_records_by_default(twin):
-    """The default eviction is the per-class CLOCK for hybrid models too: no page of any pool carries a record
-    (the records lose tokens to the CLOCK in some cell of every trace shape: BENCHMARKS.md)."""
-    t = twin("mamba_swa")
-    keys = prompt_keys(4, "no-records")
-    t.set_kv(keys)
-    t.set_v2([("draft", keys, 0)])
-    st = t.maru.store
-    assert not t.maru.lineage.enabled
-    for digests in (t.maru.keyspace.digests(keys), t.maru.hybrid.store_digests(PoolName.DRAFT, keys)):
-        assert all(st.relation_of(d) == (0, 0) for d in digests)  # stored, no record
-
-
-def test_a_v2_call_takes_the_pages_its_pool_already_stores_as_its_prefix(twin):
-    """Two conversations on one system prompt, each written whole with no prefix keys: in every pool the second
-    one's own pages form their own segment, a child of the first's at the prompt's last page (lineage.py)."""
-    t = twin("mamba_swa", maru={"maru_prefix_eviction": True})
-    shared = prompt_keys(2, "system")
-    a, b = shared + prompt_keys(3, "conv-a"), shared + prompt_keys(3, "conv-b")
-    for keys in (a, b):
-        t.set_kv(keys)
-        t.set_v2([("draft", keys, 0)])
-    st = t.maru.store
-    shift = st.geo.granule.bit_length() - 1
-
-    def records(keys):
-        found = st.resolve(t.maru.hybrid.store_digests(PoolName.DRAFT, keys))
-        rows, valid = st.att.alloc.relations.of(found.offsets.astype("int64") >> shift, found.words)
-        assert found.ok.all() and valid.all()
-        return rows
-
-    rows_a, rows_b = records(a), records(b[2:])
-    g_a = int(rows_a["group"][0])
-    assert set(rows_a["group"].tolist()) == {g_a} and g_a not in rows_b["group"].tolist()
-    assert set(rows_b["parent"].tolist()) == {g_a} and set(rows_b["branch"].tolist()) == {1}
-
-
 def test_real_store_eviction_keeps_hicache_file_semantics(pool_path, tmp_path):
     """Fill a small pool to 3x its size so the store itself evicts pages of every pool; then HiCacheFile holding
     exactly the pages that survived gives the same answers, KV-less orphans included."""
@@ -783,11 +746,19 @@ def _handles_on(backend) -> list[str]:
     return found
 
 
+def test_a_hybrid_models_pool_gets_the_count_clock_and_no_prefix_mark(twin):
+    """A pool a hybrid model creates keeps the per-class count CLOCK (DESIGN.md section 8): where a host cache
+    filters the hits, age order loses tokens to it (BENCHMARKS.md, the prefix-tree family)."""
+    t = twin("mamba_swa")
+    t.set_kv(prompt_keys(2, "rule"))
+    assert not t.maru.store.policy.age and not t.maru.store.policy.prefix_mark
+
+
 def test_no_part_of_the_backend_holds_a_handle_on_it(twin):
     """Calls go one way (maru_storage.py): MaruStorage gives the parts it builds what they use (a store getter,
     the key space, the parts below, flags, log_once), never itself; tests/test_layering.py checks the source."""
-    t = twin("mamba_swa", maru={"maru_prefix_eviction": True})
+    t = twin("mamba_swa")
     t.set_kv(prompt_keys(2, "one-way"))
     t.set_v2([("swa", prompt_keys(2, "one-way"), 0)])
-    assert t.maru.hybrid.pools and t.maru.lineage.enabled  # the parts are built and in use
+    assert t.maru.hybrid.pools  # the parts are built and in use
     assert _handles_on(t.maru) == []

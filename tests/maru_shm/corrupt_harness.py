@@ -36,9 +36,9 @@ import zlib
 
 import numpy as np
 
-from maru_shm import LockTimeout, Store, StoreError, chain_relations, remove_pool
+from maru_shm import LockTimeout, Store, StoreError, remove_pool
 from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT,
-                             DOOM_ENTRIES, DOOM_SIZE, ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE, RELATION_SIZE,
+                             ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE,
                              LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY,
                              SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE,
                              UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry, length_sound)
@@ -85,8 +85,6 @@ class Template:
             "shards": (g.off_shards, g.index_shards * SHARD_HEADER, SHARD_HEADER),
             "index": (g.off_index, g.index_slots * ENTRY_SIZE, ENTRY_SIZE),
             "blockmeta": (g.off_blockmeta, g.n_granules * META_SIZE, META_SIZE),
-            "relations": (g.off_relations, g.n_granules * RELATION_SIZE, RELATION_SIZE),
-            "dooms": (g.off_dooms, DOOM_ENTRIES * DOOM_SIZE, DOOM_SIZE),
             "data": (g.off_data, g.data_bytes, g.granule),
         }
         # records worth hitting more often than the rest of their region
@@ -480,11 +478,11 @@ def scenario(path: str, tainted: set) -> dict:
     rec.op("put_pieces", s.put_pieces, "new-f", [(v.ctypes.data, 4000), (v.ctypes.data + 4000, 5000)])
     for k in list(t.values)[4:7] + ["new-a", "absent0"]:
         rec.op("delete", s.delete, k)
-    for i in range(0, 12, 2):  # enough to need eviction of slabs in a 1 MiB pool; related values (section 6a)
+    for i in range(0, 12, 2):  # enough to need eviction of slabs in a 1 MiB pool
         fill = [make_value(f"fill{j}", 1, 60_000) for j in (i, i + 1)]
         bufs = [np.frombuffer(x, np.uint8) for x in fill]
         rec.op("batch_put_pieces", s.batch_put_pieces, [f"fill{i}", f"fill{i + 1}"],
-               [[(b.ctypes.data, len(b))] for b in bufs], relations=chain_relations(2, group=i % 4 + 1))
+               [[(b.ctypes.data, len(b))] for b in bufs])
     for k in keys + ["new-b", "new-c", "new-d", "fill11"]:
         ok, data = rec.op("get", s.get, k)
         if ok:

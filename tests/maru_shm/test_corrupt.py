@@ -207,7 +207,7 @@ def test_fuzz_size_and_data(mutations):
 
 @fuzz_settings("mixed")
 @given(st.lists(mutation_in(["superblock", "locks", "classes", "procs", "slabs", "shards", "index", "blockmeta",
-                             "relations", "dooms", "data", "size", "padding"]), min_size=1, max_size=5))
+                             "data", "size", "padding"]), min_size=1, max_size=5))
 def test_fuzz_mixed(mutations):
     run_and_judge(mutations)
 

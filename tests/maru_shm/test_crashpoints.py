@@ -179,7 +179,7 @@ def recover(pool_path: str, expected: dict, missing=(), sizes=(SIZE,), fresh: bo
 # ---------------------------------------------------------------- every point has a test
 
 ALL_POINTS = [
-    "put.after_alloc", "put.after_relations", "alloc.mid_reuse", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
+    "put.after_alloc", "alloc.mid_reuse", "put.mid_copy", "put.before_index", "index.mid_insert", "index.mid_replace",
     "put.before_disown", "put.before_free", "delete.before_free", "index.mid_shift", "evict.mid", "evict.block_mid",
     "slab.mid_move", "slab.mid_format", "slab.mid_free", "reap.mid", "classtab.mid_declare", "create.lock_file",
     "init.mid_header", "create.before_publish", "create.published", "lock.held.INIT", "lock.held.PROC", "lock.held.CLASSTAB", "lock.held.POOL", "lock.held.CLASS",
@@ -256,21 +256,6 @@ def test_put_after_alloc_of_a_single_key_leaves_its_spares_to_reaping(pool_path)
     with Store.open(pool_path) as s:
         assert s.stats()["reserved_blocks"] == 0  # reaped at attach: the dead put's block and its spares
     recover(pool_path, expected, missing=["new1"], sizes=(SIZE, 3000))
-
-
-def test_put_after_relations(pool_path):
-    """A put with relation records dies after writing them, before the copy: its RESERVED blocks are reaped, and
-    their records never apply (their tag names a LIVE word the blocks never got)."""
-    expected = new_pool(pool_path)
-    run_child(pool_path, "put.after_relations", """
-        from maru_shm import chain_relations
-        s = Store.open(path)
-        vals = [make_value(k, 1, 5000) for k in ("rel1", "rel2")]
-        bufs = [ctypes.create_string_buffer(v, len(v)) for v in vals]
-        s.batch_put_pieces(["rel1", "rel2"], [[(ctypes.addressof(b), 5000)] for b in bufs],
-                           relations=chain_relations(2, group=5))
-    """)
-    recover(pool_path, expected, missing=["rel1", "rel2"])
 
 
 def test_alloc_mid_reuse(pool_path):

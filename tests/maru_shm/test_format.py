@@ -199,6 +199,28 @@ def _patch(path: str, off: int, data: bytes) -> None:
         os.close(fd)
 
 
+def test_a_pool_made_with_relation_records_opens_and_evicts_as_any_other(pool_path, monkeypatch):
+    """Pools made by versions with relation records carry flag bit 1 and their region between the block metas and
+    the data (FORMAT.md section 1): this version opens them, leaves the region alone and evicts as usual."""
+    from maru_shm import poolfile
+    from maru_shm.format import FLAG_RETIRED
+    plan = Geometry.plan
+    monkeypatch.setattr(poolfile.Geometry, "plan", staticmethod(
+        lambda size, **kw: plan(size, **dict(kw, flags=kw.get("flags", 0) | FLAG_RETIRED))))
+    with Store.open(pool_path, "16M", create=True) as s:
+        g = s.geo
+    monkeypatch.undo()
+    metas_end = g.off_blockmeta + g.n_granules * META_SIZE
+    assert g.flags & FLAG_RETIRED and g.off_data - metas_end >= g.n_granules * 16 + 32768
+    assert not Geometry.plan(16 * MiB).flags & FLAG_RETIRED  # no new pool has the region
+    with Store.open(pool_path) as s:
+        value = os.urandom(64 << 10)
+        for i in range(400):  # 25 MiB through a 16 MiB pool
+            assert s.put(f"k{i}", value)
+        assert s.stats()["evictions"] > 0 and s.get("k399") == value
+        assert s.check().ok
+
+
 @pytest.fixture
 def closed_pool(pool_path):
     with Store.open(pool_path, "8M", create=True) as s:
@@ -486,14 +508,14 @@ FORMAT_TABLES = [
         ("off_data", 128, 8), ("data_bytes", 136, 8), ("created_ns", 144, 8), ("pool_uuid", 152, 16),
         ("reserved_immutable", 168, 84), ("checksum", 252, 4), ("state", 256, 4), ("slab_hand", 260, 4),
         ("classes_version", 264, 4), ("reserved_268", 268, 4), ("retired", 272, 128), ("demand_epoch", 400, 4),
-        ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("doom_cursor", 420, 4),
+        ("reserved_404", 404, 4), ("demand_acc", 408, 8), ("free_floor", 416, 4), ("age_tick", 420, 4),
         ("heals", 424, 8), ("lock_boot", 432, 16), ("lock_dev", 448, 8), ("lock_ino", 456, 8),
         ("reserved_tail", 464, 3632)]),
     ("LOCK_LAYOUT", 8, [("dirty", 0, 4), ("op", 4, 4)]),
     ("CLASS_LAYOUT", 64, [
         ("kind", 0, 4), ("slab_units", 4, 4), ("block_size", 8, 8), ("blocks_per_slab", 16, 4),
         ("partial_head", 20, 4), ("nslabs", 24, 4), ("used_blocks", 28, 4), ("declared_ns", 32, 8), ("hand", 40, 8),
-        ("demand", 48, 8), ("demand_epoch", 56, 4), ("related", 60, 4)]),
+        ("demand", 48, 8), ("demand_epoch", 56, 4), ("reserved_60", 60, 4)]),
     ("SLAB_LAYOUT", 64, [
         ("state", 0, 4), ("cls", 4, 4), ("next", 8, 4), ("prev", 12, 4), ("nfree", 16, 4), ("nblocks", 20, 4),
         ("ref", 24, 1), ("in_partial", 25, 1), ("reserved_26", 26, 6), ("bitmap", 32, 32)]),
@@ -504,9 +526,6 @@ FORMAT_TABLES = [
     ("PROC_LAYOUT", 128, [
         ("state", 0, 4), ("pid", 4, 4), ("start_ticks", 8, 8), ("attach_ns", 16, 8), ("uid", 24, 4),
         ("reserved_28", 28, 4), ("counters", 32, 96)]),
-    ("RELATION_LAYOUT", 16, [
-        ("group", 0, 4), ("parent", 4, 4), ("depth", 8, 2), ("branch", 10, 2), ("tag", 12, 2), ("born", 14, 2)]),
-    ("DOOM_LAYOUT", 8, [("group", 0, 4), ("from", 4, 2), ("seq", 6, 2)]),
 ]
 
 
@@ -527,11 +546,11 @@ def test_the_constants_and_structs_every_reader_uses_follow_the_declarations():
     """A sample of the derived names, at FORMAT.md's values, and each struct covering its fields."""
     from maru_shm import format as F
     assert (F.CHECKSUM_OFF, F.STATE_OFF, F.SLAB_HAND_OFF, F.CLASSES_VERSION_OFF, F.RETIRED_OFF, F.DEMAND_EPOCH_OFF,
-            F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.DOOM_CURSOR_OFF, F.HEALS_OFF) == (
+            F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.AGE_TICK_OFF, F.HEALS_OFF) == (
         252, 256, 260, 264, 272, 400, 408, 416, 420, 424)
     assert (F.CLS_KIND, F.CLS_K, F.CLS_BLOCK, F.CLS_BPS, F.CLS_PARTIAL, F.CLS_NSLABS, F.CLS_USED, F.CLS_DECLARED,
-            F.CLS_HAND, F.CLS_DEMAND, F.CLS_DEMAND_EPOCH, F.CLS_RELATED) == (
-        0, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56, 60)
+            F.CLS_HAND, F.CLS_DEMAND, F.CLS_DEMAND_EPOCH) == (
+        0, 4, 8, 16, 20, 24, 28, 32, 40, 48, 56)
     assert (F.SLAB_STATE, F.SLAB_CLS, F.SLAB_NEXT, F.SLAB_PREV, F.SLAB_NFREE, F.SLAB_NBLOCKS, F.SLAB_REF,
             F.SLAB_INPARTIAL, F.SLAB_BITMAP, F.BITMAP_BYTES) == (0, 4, 8, 12, 16, 20, 24, 25, 32, 32)
     assert (F.META_DIGEST_OFF, F.META_LENGTH_OFF, F.META_OWNER_OFF, F.META_REF_OFF, F.META_FLAGS_OFF) == (

@@ -193,6 +193,7 @@ def test_create_then_inspect_json(pool_path):
     assert rep["schema"] == 2
     assert rep["geometry"]["file_bytes"] == 16 << 20
     assert rep["index"]["entries"] == 0 and rep["classes"] == [] and rep["processes"] == []
+    assert rep["format"]["eviction"] == "count"  # the default ref rule
 
     r = run("create", pool_path, "--size", "16M")  # never over an existing file
     assert_error(r, "already exists")
@@ -216,6 +217,15 @@ def test_create_then_inspect_json(pool_path):
     assert rep["repair"] == {"dirty_locks": [], "shards": [], "classes": [], "pool": False, "dead_processes": [],
                              "locks_seen": True}
     assert 1.0 <= rep["index"]["probe_mean"] <= rep["index"]["probe_max"]
+
+
+def test_create_with_age_stamps(pool_path):
+    r = run("create", pool_path, "--size", "16M", "--eviction", "age")
+    assert r.returncode == 0 and "age eviction" in r.stdout, r.stderr
+    assert inspect_json(pool_path)["format"]["eviction"] == "age"
+    assert "age eviction" in run("inspect", pool_path).stdout
+    r = run("create", f"{pool_path}-x", "--size", "16M", "--eviction", "lru")
+    assert r.returncode == 2 and "invalid choice" in r.stderr and not os.path.exists(f"{pool_path}-x")
 
 
 def test_create_errors(pool_path):

@@ -52,16 +52,17 @@ def maru_extra(path: str, size, **maru) -> dict:
             "interface_v1": 1, "maru_path": path, "maru_pool_size": size, **maru}
 
 
-def _host_pool(page_size: int, pages: int):
+def _host_pool(page_size: int, pages: int, heads: int = 8, head_dim: int = 128, layers: int = 32):
+    """A real host pool of `pages` pages; by default Llama-3.1-8B's KV geometry (128 KiB a token)."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    dev = MHATokenToKVPool(size=16, page_size=page_size, dtype=torch.bfloat16, head_num=8, head_dim=128,
-                           layer_num=32, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=31,
-                           enable_alt_stream=False)
+    dev = MHATokenToKVPool(size=16, page_size=page_size, dtype=torch.bfloat16, head_num=heads, head_dim=head_dim,
+                           layer_num=layers, device="cpu", enable_memory_saver=False, start_layer=0,
+                           end_layer=layers - 1, enable_alt_stream=False)
     host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first_direct",
                                 pin_memory=False, device="cpu", allocator_type="default", device_capacity_tokens=0,
-                                host_token_capacity=(pages + 1) * page_size, start_layer=0, end_layer=31)
+                                host_token_capacity=(pages + 1) * page_size, start_layer=0, end_layer=layers - 1)
     raw = host.kv_buffer.view(torch.uint8)
     g = torch.Generator().manual_seed(3)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))

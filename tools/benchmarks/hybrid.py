@@ -17,8 +17,7 @@ the share of the file holding live payload (lowest value over the second half of
 the churn) and the share holding payload still usable as hits (mean over the
 second half: whole restorable requests, as batch_exists_v2 answers), next to
 fixed slots of the largest page and power-of-two classes (>= 4 KiB) simulated
-on the same sequence of values, and to the same churn with
-`maru_prefix_eviction: true` (relation records: group dooming).
+on the same sequence of values.
 """
 
 from __future__ import annotations
@@ -111,7 +110,7 @@ def _usable(backend, chains, query, page_bytes: dict) -> int:
     return total
 
 
-def hybrid(pool_size: int, seed: int = 7, path: str | None = None, prefix_eviction: bool | None = None) -> dict:
+def hybrid(pool_size: int, seed: int = 7, path: str | None = None) -> dict:
     import torch
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
     from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
@@ -126,7 +125,7 @@ def hybrid(pool_size: int, seed: int = 7, path: str | None = None, prefix_evicti
         _fill(host, HOST_PAGES if name != "swa" else 2, rnd)
 
     path = path or os.path.join("/dev/shm", f"maru-bench-{os.getpid()}-hybrid")
-    extra = maru_extra(path, int(pool_size), maru_eager_map=False, maru_prefix_eviction=prefix_eviction)
+    extra = maru_extra(path, int(pool_size), maru_eager_map=False)
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name="deepseek-ai/DeepSeek-V4-like", extra_config=extra)
@@ -198,8 +197,6 @@ NAME = "hybrid"
 @scenario(NAME)
 def bench_hybrid(args) -> dict:
     r = hybrid(args.pool_size)
-    rec = hybrid(args.pool_size, prefix_eviction=True)  # the same churn with relation records
-    r.update(records_usable=rec["usable"], records_live=rec["ours"])
     name = "live payload / file (min over churn)"
     figs = [figure(name, r["ours"], r["fixed_slots"], f"fixed {r['fixed_slot_bytes']} B slots", goal=">= 0.90",
                    met=r["met"]),
@@ -207,7 +204,6 @@ def bench_hybrid(args) -> dict:
     if "maru_1m" in r:
         figs.append(figure(name, r["ours"], r["maru_1m"], "Maru fixed 1 MiB chunks"))
     usable = "usable payload / file (whole restorable requests, mean over the churn)"
-    figs.append(figure(usable, r["usable"], r["records_usable"], "maru_prefix_eviction true (relation records)",
+    figs.append(figure(usable, r["usable"], r["pow2_classes_usable"], "power-of-two classes (FIFO)",
                        goal=">= 0.90", met=r["usable"] >= 0.90))
-    figs.append(figure(usable, r["usable"], r["pow2_classes_usable"], "power-of-two classes (FIFO)"))
     return {"scenario": "hybrid", **r, "figures": figs}

@@ -19,10 +19,9 @@ import os
 
 import numpy as np
 
-from maru_shm import format_size, remove_pool
+from maru_shm import eviction_settings, format_size, remove_pool
 
 from .eviction import LRU, zipf_trace
-from .prefixrules import rules_off
 from .registry import figure, pool_path, progress_of, scenario
 
 NAME = "mixshift"
@@ -95,7 +94,7 @@ def mixshift(pool_bytes: int = 256 << 20, n_a: int = 4000, n_b: int = 1400, fill
     step = progress or (lambda f, note="": None)
     default = run_store(trace, n_a, pool_bytes, measure_from, f"{prefix}-default",
                         lambda f: step(0.45 * f, "default"))
-    with rules_off(("retention",)):
+    with eviction_settings(retention=False):
         no_moves = run_store(trace, n_a, pool_bytes, measure_from, f"{prefix}-nomoves",
                              lambda f: step(0.45 + 0.45 * f, "no moves"))
     step(0.9, "exact LRU")

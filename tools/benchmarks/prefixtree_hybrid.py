@@ -5,7 +5,7 @@ calls, as SGLang's HybridCacheController makes them: a set is `batch_set_v1` of 
 anchor) and `batch_set_v2` of one PoolTransfer per pool, the SWA pool naming only the call's last key
 (`TRAILING_PAGES`); a lookup is `batch_exists_v2` (its `kv_hit_pages`: a prefix is restorable only where every
 pool has its pages and the window its trailing page); a read is `batch_get_v1` + `batch_get_v2` of the hit run.
-Pages are 256 tokens, so the trace's chains are shorter than the plain model's (`HYBRID`), and each pool has
+Pages are 256 tokens, so the trace's chains are shorter than the plain model's (`SHAPES`), and each pool has
 fewer layers than the `hybrid` scenario's (`LAYERS`) to keep the working set near the plain trace's.
 
 Its per-object LRU charges each pool's page separately (the 0-byte KV markers are left out), and a prefix is
@@ -18,16 +18,18 @@ import functools
 from collections import OrderedDict
 
 from .hybrid import PAGE, RATIOS, SWA_PAGE, _indexer_pool, _v4_pool
-from .prefixtree import MaruBackend, Model, Shape
+from .prefixtrace import MaruBackend, Model, Shape
 
 # The family's shapes in 256-token pages (prefixtree.SHAPES), every chain within HYBRID_CONTEXT pages.
 HYBRID_CONTEXT = 40
 SHAPES = {
-    "chat": Shape(12, (2, 8), 1.0, 200, 1.0, (1, 2), (1, 2), 0, HYBRID_CONTEXT, 1500, 4, 0.9, 1 / 12, False),
-    "sglang": Shape(8, (3, 10), 0.8, 600, 1.0, (1, 2), (1, 2), 10, HYBRID_CONTEXT, 1500, 4, 0.8, 1 / 8, True),
-    "rag": Shape(4, (15, 25), 1.0, 900, 0.8, (1, 1), (1, 1), 2, HYBRID_CONTEXT, 1500, 4, 0.8, 1 / 8, True),
+    "chat": Shape(1500, HYBRID_CONTEXT, sticky=0.9, host_share=1 / 12, host_of_pool=False, system_prompts=12,
+                  system_pages=(2, 8), conversations=200, user_pages=(1, 2), answer_pages=(1, 2), page_tokens=PAGE),
+    "sglang": Shape(1500, HYBRID_CONTEXT, system_prompts=8, system_pages=(3, 10), system_alpha=0.8,
+                    conversations=600, user_pages=(1, 2), answer_pages=(1, 2), max_turns=10, page_tokens=PAGE),
+    "rag": Shape(1500, HYBRID_CONTEXT, system_prompts=4, system_pages=(15, 25), conversations=900,
+                 conversation_alpha=0.8, user_pages=(1, 1), answer_pages=(1, 1), max_turns=2, page_tokens=PAGE),
 }
-HYBRID = SHAPES["chat"]
 LAYERS = 3  # per compressed pool
 
 
@@ -38,7 +40,10 @@ def _config(extra: dict):
                                 model_name="deepseek-ai/DeepSeek-V4-like", extra_config=extra)
 
 
+@functools.lru_cache(maxsize=1)
 def _pools(pages: int) -> dict:
+    """The host pools, made once and registered by every tier in turn (SGLang checks the machine's free memory
+    at each one it makes, which a busy machine may fail mid-run)."""
     pools = {name: _v4_pool(name, PAGE // r, PAGE, pages, LAYERS) for name, r in RATIOS.items()}
     pools["deepseek_v4_c4_indexer"] = _indexer_pool(pages, LAYERS)
     pools["swa"] = _v4_pool("swa", SWA_PAGE, SWA_PAGE, 2, LAYERS)
@@ -48,14 +53,14 @@ def _pools(pages: int) -> dict:
 class HybridMaruTier(MaruBackend):
     """The hybrid model's pages through MaruStorage, registered as HybridCacheController registers them."""
 
-    def __init__(self, pool_size: int, prefix_eviction: bool, tag: str):
+    def __init__(self, pool_size: int, tag: str, shape: Shape | None = None):
         import torch
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
         from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
 
         n = HYBRID_CONTEXT
         anchor = LogicalHostPool(n * PAGE, PAGE, layout="page_first_direct")
-        super().__init__(pool_size, prefix_eviction, tag, anchor, _config)
+        super().__init__(pool_size, tag, anchor, _config)
         b = self.backend
         b.register_mem_host_pool_v2(anchor, PoolName.KV)
         pools = _pools(n)
@@ -157,10 +162,11 @@ class HybridLRUTier:
 
 def hybrid_model() -> Model:
     """The model, its LRU sized from a scratch HybridMaruTier's pools."""
-    probe = HybridMaruTier(256 << 20, True, "prefixtree-probe")
+    probe = HybridMaruTier(256 << 20, "prefixtree-probe")
     try:
         sizes = probe.sizes
     finally:
         probe.close()
-    page_bytes = sum(sizes.values())
-    return Model("hybrid", SHAPES, HybridMaruTier, functools.partial(HybridLRUTier, sizes=sizes), PAGE, page_bytes)
+    total = sum(sizes.values())
+    return Model("hybrid", SHAPES, HybridMaruTier, lambda cap, shape: HybridLRUTier(cap, sizes),
+                 lambda shape: total, False, {"age": False})  # MaruStorage: the count CLOCK for a hybrid model

@@ -64,7 +64,7 @@ def render(results: list[dict]) -> str:
                          f"goal >= {r['goal']} "
                          f"{'met' if r['met'] else 'MISSED'}")
             lines.append(f"hybrid    payload still usable as hits (whole restorable prefixes) / file, mean over churn: "
-                         f"{r['usable']:.4f} vs relation records {r.get('records_usable', float('nan')):.4f}, fixed slots "
+                         f"{r['usable']:.4f} vs fixed slots "
                          f"{r['fixed_slots_usable']:.4f}, power-of-two classes {r['pow2_classes_usable']:.4f} (FIFO); "
                          f"goal >= 0.90 {'met' if r['usable'] >= 0.90 else 'MISSED'}")
         elif r["scenario"] == "tier2":
@@ -73,8 +73,6 @@ def render(results: list[dict]) -> str:
             lines += render_eviction(r)
         elif r["scenario"] == "prefixtree":
             lines += render_prefixtree(r)
-        elif r["scenario"] == "prefixbounds":
-            lines += render_prefixbounds(r)
         elif r["scenario"] == "scaling":
             lines += render_scaling(r)
         elif r["scenario"] == "e2e":
@@ -221,17 +219,19 @@ def _paired(row: dict, name: str) -> str:
 
 def render_prefixtree(r: dict) -> list[str]:
     """Per shape and model: the summary over its cells, then one line per cell (seed, replay, size)."""
+    from .prefixtree import goals
     out = []
     for sh, x in r["shapes"].items():
         for name, s in x["summary"].items():
             ab = "".join(f"; without {v}: x{a['mean']:.3f} (worst x{a['min']:.3f})" for v, a in s["ab"].items())
             ul = "n/a" if s["usable_live_min"] is None else f"{s['usable_live_min']:.3f}"
+            bel = f", Belady / LRU x{s['belady_vs_lru']['mean']:.3f}" if "belady_vs_lru" in s else ""
+            below = "".join(f"; {n} of {j} judged cells below {g:.3f} ({what})" for what, _, g, n, j in goals(name, s)
+                            if n is not None)
             out.append(f"prefixtree {sh} {name} ({s['cells']} cells): ours / plain CLOCK x{s['vs_clock']['mean']:.3f} "
                        f"(worst x{s['vs_clock']['min']:.3f}), ours / LRU x{s['vs_lru']['mean']:.3f} (worst "
-                       f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}; lowest "
-                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}; records / plain CLOCK "
-                       f"x{s['records_vs_clock']['mean']:.3f} (worst x{s['records_vs_clock']['min']:.3f}); base / "
-                       f"variant{ab}")
+                       f"x{s['vs_lru']['min']:.3f}), plain CLOCK / LRU x{s['clock_vs_lru']['mean']:.3f}{bel}; lowest "
+                       f"usable/live (direct) {ul}, usable/file {s['usable_file_min']:.3f}{below}; base / variant{ab}")
         for seed, models in x["by_seed"].items():
             for m in models.values():
                 out += _prefixtree_cells(m)
@@ -243,23 +243,9 @@ def _prefixtree_cells(m: dict) -> list[str]:
            f"({format_size(m['working_set_bytes'])} working set), {m['sessions']} sessions"]
     for run in m["runs"].values():
         o = run["ours"]
-        others = " / ".join(f"{k} {run[k]['tokens']:,}" for k in run
-                            if isinstance(run[k], dict) and k not in ("ours", "lru", "lru_held", "unbounded"))
-        out.append(f"  {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens ours "
-                   f"{o['tokens']:,} / {others} / LRU {run['lru']['tokens']:,} (held {run['lru_held']['tokens']:,}) / "
-                   f"unbounded {run['unbounded']['tokens']:,}; usable/live {o['usable_live']:.3f}, usable/file "
-                   f"{o['usable_file']:.3f}")
-    return out
-
-
-def render_prefixbounds(r: dict) -> list[str]:
-    out = []
-    for seed, b in r["by_seed"].items():
-        for run in b["runs"].values():
-            p, g = run["pages"], run["gap_share"]
-            shares = ", ".join(f"{name.replace('_', ' ')} {g[name]:+.2f}" for name in p if name not in ("lru", "unbounded"))
-            out.append(f"prefixbounds seed {seed} {run['replay']:<6} {run['ratio']:g}x: pages LRU {p['lru']:,} / "
-                       f"unbounded {p['unbounded']:,}; gap won: {shares}")
+        tokens = " / ".join(f"{k} {run[k]['tokens']:,}" for k in run if isinstance(run[k], dict))
+        out.append(f"  {run['replay']:<6} {run['ratio']:g}x ({format_size(run['pool_bytes'])}): tokens {tokens}; "
+                   f"usable/live {o['usable_live']:.3f}, usable/file {o['usable_file']:.3f}")
     return out
 
 

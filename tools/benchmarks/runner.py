@@ -24,9 +24,6 @@ Scenarios (all by default; pick with --only):
             directly and through per-instance host caches with sticky routing,
             at working sets 1.5x/3x/6x the pool: tokens served from L3 and
             usable payload, vs exact LRU, an unbounded pool and the plain CLOCK.
-  prefixbounds  the plain prefix-tree trace through simulated page policies,
-            online (LRU with prefix touches and dooms) to offline (Belady):
-            the share of the gap LRU -> unbounded each wins, and what it knew.
   scaling   1, 2, 4, 8 processes on one pool, 50/50 get/put of 128 KiB
             values: aggregate ops/s, p50/p99 latency, lock time, vs the same
             processes doing plain 128 KiB copies into/out of a shared mapping.
@@ -67,13 +64,13 @@ import os
 import sys
 import time
 
-from . import (capacity, datapath, e2e, eviction, hybrid, lookup, mixed, mixshift, ops, prefixbounds, prefixtree, scaling,
+from . import (capacity, datapath, e2e, eviction, hybrid, lookup, mixed, mixshift, ops, prefixtree, scaling,
                serving_kill, serving_load, tier2)
 from .registry import SCENARIOS, Progress
 from .report import render
 
 # Importing a scenario module registers it; this is the order `maru-shm bench` runs them in.
-SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, mixshift, prefixtree, prefixbounds,
+SCENARIO_MODULES = (capacity, mixed, ops, datapath, lookup, hybrid, eviction, mixshift, prefixtree,
                     scaling, tier2, e2e, serving_load, serving_kill)
 
 
@@ -90,7 +87,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="pool sizes, comma separated (default 256M,512M,1G)")
     g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
     g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
-    g = p.add_argument_group("prefixtree, prefixbounds")
+    g = p.add_argument_group("prefixtree")
     g.add_argument("--prefixtree-seeds", default=[11, 12, 13], type=_seed_list,
                    help="seeds of the conversation trace, comma separated (default 11,12,13); the goals hold in "
                         "every seed's cells")
@@ -100,7 +97,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="prefixtree: each shape's requests times this (default 1; smaller for a quick A/B)")
     g.add_argument("--prefixtree-models", type=_names, help="prefixtree: plain, hybrid or both (default both)")
     g.add_argument("--prefixtree-ab", type=_names, help="prefixtree: rules of the default eviction to switch off, "
-                   "each in a variant of its own, comma separated (tools/benchmarks/prefixrules.py; 'all': every one)")
+                   "each in a variant of its own, comma separated (prefixtree.VARIANTS; 'all': every one)")
     g = p.add_argument_group("e2e")
     g.add_argument("--e2e-lengths", default=[512, 2048, 8192], type=_int_list,
                    help="prompt lengths in tokens (default 512,2048,8192)")

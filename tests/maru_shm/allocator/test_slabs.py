@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from maru_shm.allocator.policy import Settings
 from maru_shm.sizeclasses import geometric_sizes
 from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from maru_shm.allocator.kept import spare_limit
@@ -97,8 +98,8 @@ def test_free_slabs_move_between_classes(open_store, record_property):
 
 
 def test_emptied_class_gives_its_slabs_away(open_store):
-    # 66 MiB: the large class's slabs are 9 units, and a 64 MiB pool has 252 units since the relation records
-    # (FORMAT.md 6a) took one; 28 slabs then need every unit, and one small slab the deletes emptied stays.
+    # 66 MiB: the large class's slabs are 9 units; 28 slabs then need every unit, and one small slab the deletes
+    # emptied stays.
     s = open_store("66M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     small = next(b for b in sizes if b >= 20 * KiB)
@@ -273,7 +274,7 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     margin: at equal demand A then holds 1 + MOVE_MARGIN times B's slab bytes, and evicts within itself.
     Moves happen, but far fewer than B's puts (a class near its share does not move). Without the rule B
     would keep its first slab only."""
-    from maru_shm.allocator.demand import MOVE_MARGIN
+    MOVE_MARGIN = Settings().move_margin
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     a_size = next(b for b in sizes if b >= 100 * KiB)
@@ -306,7 +307,7 @@ def test_the_move_rule_balances_retention_with_a_margin(open_store):
     retention = slab units / decayed demand, class d may give class c a slab only if d after giving a
     window of c's k units keeps its values 1 + MOVE_MARGIN times as long as c after taking. That never
     makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
-    from maru_shm.allocator.demand import MOVE_MARGIN
+    MOVE_MARGIN = Settings().move_margin
     from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
