@@ -31,25 +31,25 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import Allocator
 from .allocator.policy import flags_for as eviction_flags
-from .attachment import Attachment
-from .check import check_store
-from .copyengine import CopyEngine, check_threads
-from .counters import Counters
+from .mapping.attachment import Attachment
+from .checks.repair import check_store
+from .copying.copyengine import CopyEngine, check_threads
+from .processes.counters import Counters
 from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .fence import CallFence
-from .cutcall import repair_left_dirty, settle_cut_call
-from .guard import release_stranded as release_stranded_guards
+from .mapping.fence import CallFence
+from .processes.cutcall import repair_left_dirty, settle_cut_call
+from .locking.guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
-from .pieces import Pieces, buffer_address, writable_bytes
-from .poolfile import PoolFile, ensure_backed, open_pool_file
-from .poolview import counters as pool_counters, pool_stats
-from .proctable import ProcessTable
-from .publish import Publisher
-from .readpath import ReadPath
-from .reaper import Reaper
-from .resolve import leading_present, resolve
+from .copying.pieces import Pieces, buffer_address, writable_bytes
+from .mapping.poolfile import PoolFile, ensure_backed, open_pool_file
+from .checks.view import counters as pool_counters, pool_stats
+from .processes.proctable import ProcessTable
+from .datapath.publish import Publisher
+from .datapath.readpath import ReadPath
+from .processes.reaper import Reaper
+from .datapath.resolve import leading_present, resolve
 from .sizes import parse_size
-from .writepath import WritePath
+from .datapath.writepath import WritePath
 
 MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
@@ -350,7 +350,7 @@ class Store:
         """Load many values into destination pieces; per key True only if the stored length matches exactly.
 
         `pieces_list` is one list of (address, nbytes) per key, or an (n, k, 2) array
-        (see maru_shm.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
+        (see maru_shm.copying.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
         replaces hashing `keys`.
         """
         darr = _digest_batch(keys, digests)
@@ -530,7 +530,7 @@ class Store:
     # ---------------------------------------------------------------- inspection
     @_entry
     def check(self, repair: bool = False):
-        """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
+        """Full consistency check (see maru_shm.checks.repair); with repair=True fix what can be fixed."""
         return check_store(self, repair=repair)
 
     @_entry

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK,
-                      META_TAIL_REF_SHIFT, U64)
+from ..format.layout import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK,
+                             META_TAIL_REF_SHIFT, U64)
 from .blockmeta import SMALL_BATCH, BlockMetas
 from .classtable import ClassInfo
 from .release import BlockRelease

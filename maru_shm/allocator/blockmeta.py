@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
-                      META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
-                      META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
-                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
-from ..records import record_struct
+from ..format.layout import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD,
+                             META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE,
+                             META_STRUCT, META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT,
+                             META_TAIL_REF_SHIFT, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+from ..format.records import record_struct
 
 # Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
 # costs a few microseconds whatever its length, which only pays off over many keys.

@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLASS_STRUCT, CLASSES_VERSION_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LOCK_CLASSTAB,
-                      MAX_BLOCKS_PER_SLAB, U32)
-from ..sizeclasses import exact_slab_floor, planned_geometric, slab_shape
+from ..format.layout import (CLASS_STRUCT, CLASSES_VERSION_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED,
+                             LOCK_CLASSTAB, MAX_BLOCKS_PER_SLAB, U32)
+from ..format.sizeclasses import exact_slab_floor, planned_geometric, slab_shape
 
 
 class ClassInfo:

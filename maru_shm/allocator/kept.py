@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..guard import guard
+from ..locking.guard import guard
 from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .slabtable import SlabTable

@@ -6,7 +6,7 @@ free floor. Lock order (locks.py): CLASSTAB, CLASS by id, POOL, SHARD by id.
 
 from __future__ import annotations
 
-from ..format import CLASS_LOCK_BASE, LOCK_POOL
+from ..format.layout import CLASS_LOCK_BASE, LOCK_POOL
 
 
 class AllocatorLocks:

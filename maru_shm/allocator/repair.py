@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESERVED, SLAB_CLS, SLAB_NBLOCKS, UNIT_FREE,
-                      UNIT_HEAD, UNIT_TAIL, length_sound)
+from ..format.layout import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESERVED, SLAB_CLS, SLAB_NBLOCKS,
+                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassTable
 from .freeruns import FreeRuns

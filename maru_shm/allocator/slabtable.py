@@ -13,9 +13,9 @@ import struct
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
-                      SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE, U32,
-                      UNIT_HEAD, UNIT_TAIL)
+from ..format.layout import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
+                             SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE,
+                             U32, UNIT_HEAD, UNIT_TAIL)
 from .classtable import ClassInfo, ClassTable
 
 

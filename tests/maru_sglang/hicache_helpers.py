@@ -457,7 +457,7 @@ def make_dsa_indexer_host(anchor, *, layers: int = 2):
 def delete_digest(store, digest) -> bool:
     """Store.delete for a key known only by its digest (MaruStorage keys pages by namespaced digests, and
     Store.delete hashes a key itself): the same steps, shard lock, index removal, block freed."""
-    from maru_shm.format import SHARD_LOCK_BASE
+    from maru_shm.format.layout import SHARD_LOCK_BASE
 
     d = bytes(memoryview(digest).cast("B")) if not isinstance(digest, bytes) else digest
     s = store.index.shard_of(d)

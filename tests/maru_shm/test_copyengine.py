@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_shm import copyengine, copyplan, idlecores
-from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
-from maru_shm.idlecores import IdleCores
+from maru_shm.copying import copyengine, copyplan, idlecores
+from maru_shm.copying.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
+from maru_shm.copying.idlecores import IdleCores
 
 KiB = 1024
 

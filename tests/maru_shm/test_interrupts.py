@@ -23,9 +23,11 @@ import weakref
 import pytest
 
 import maru_shm
-from maru_shm import Store, copyengine, locks, remove_pool
+from maru_shm import Store, remove_pool
+from maru_shm.copying import copyengine
+from maru_shm.locking import locks
 from maru_shm.allocator import blockclock
-from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
+from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
 from ..conftest import in_finalizer, make_value, reserve, value_version
 from .test_locks import _a_lock_held_by_anyone, _interrupt_at_line

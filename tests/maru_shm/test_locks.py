@@ -13,11 +13,12 @@ import time
 import pytest
 
 from maru_shm import LockTimeout, PoolInUseError, Store, StoreError
-from maru_shm import locks as locks_mod
-from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
-                             LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
+from maru_shm.locking import locks as locks_mod
+from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
+                                    LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE,
+                                    UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
-from maru_shm.lockfile import lock_file_path
+from maru_shm.locking.lockfile import lock_file_path
 
 from ..conftest import assert_clean, in_finalizer, reserve, value_version
 
@@ -584,7 +585,7 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
     import gc
 
     from maru_shm import Store
-    from maru_shm.locks import LockTable
+    from maru_shm.locking.locks import LockTable
     Store.open(pool_path, "4M", create=True).close()
 
     def tables() -> int:
@@ -679,7 +680,7 @@ def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open
     repair (KeyboardInterrupt) cleared the dirty mark of a domain a dead holder had left, unrepaired. Now the
     marks stay when the locks are given back, and the cut call, before its exception leaves the store, is
     the next holder of each: the domain is repaired, then the mark cleared."""
-    import maru_shm.check as check_mod
+    import maru_shm.checks.repair as check_mod
 
     s = open_store("4M")
     lock_id = SHARD_LOCK_BASE + 3

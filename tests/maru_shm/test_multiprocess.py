@@ -432,7 +432,7 @@ def test_threads_share_one_store(open_store, tmp_path):
 
 def _die_at_every_crash_point(path, ready_fd):
     import ctypes
-    from maru_shm.format import LIVE, SHARD_LOCK_BASE, U64
+    from maru_shm.format.layout import LIVE, SHARD_LOCK_BASE, U64
     s = Store.open(path)
     info = s.alloc.class_for(9000)
 
@@ -532,7 +532,7 @@ def test_check_of_a_pool_in_use_reports_no_false_problems(pool_path, children):
 def _slow_backward_shift(path, da, hole, ready_fd, class_lock, fake_holder):
     """Delete `da` (the head of a two-entry cluster) as a backward shift that pauses after its first
     store (the hole emptied, the next entry not yet moved into it) until a repair is under way."""
-    from maru_shm.format import LOCK_RECORD, SHARD_LOCK_BASE, store_u64
+    from maru_shm.format.layout import LOCK_RECORD, SHARD_LOCK_BASE, store_u64
     s = Store.open(path, timeout=20)
     sh = s.index.shard_of(da)
     s.locks.acquire(SHARD_LOCK_BASE + sh)
@@ -557,7 +557,7 @@ def test_class_repair_waits_for_a_backward_shift_in_progress(pool_path, children
     """Class repair keeps a LIVE block only if the index points at it. Asked without the shard lock
     while another process is shifting that shard's entries back, the index can answer "not indexed"
     for a published block, and the repair frees it: the key is lost. Asked under the lock, it waits."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_RECORD
     with Store.open(pool_path, "8M", create=True, timeout=20) as s:
         seen, i = {}, 0
         while True:  # two keys with the same shard and home slot: b sits right after a

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from maru_shm.pieces import PieceTable, piece_lengths
+from maru_shm.copying.pieces import PieceTable, piece_lengths
 
 
 def _lists(t, rows, bases):

@@ -8,7 +8,7 @@ import numpy as np
 from maru_shm import Store
 from maru_shm.index import digest_array, key_digest
 from maru_shm.index.table import ABSENT, UNDECIDED
-from maru_shm.resolve import PROBE_WINDOW
+from maru_shm.datapath.resolve import PROBE_WINDOW
 
 
 def _halves(keys):

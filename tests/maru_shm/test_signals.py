@@ -66,8 +66,8 @@ def test_truncation_under_a_read_only_view_is_an_error_not_sigbus(pool_path):
     out = run_py("""
         import os, sys
         from maru_shm import PoolDamagedError, PoolView, Store, pool_report
-        from maru_shm.livecheck import check_live
-        from maru_shm.poolview import class_table, counters, pool_stats, processes
+        from maru_shm.checks.check import check_live
+        from maru_shm.checks.view import class_table, counters, pool_stats, processes
         path = sys.argv[1]
         with Store.open(path, "32M", create=True) as s:
             for i in range(64):

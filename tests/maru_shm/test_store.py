@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maru_shm import PoolClosedError, Store, ValueTooLargeError
-from maru_shm.format import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
+from maru_shm.format.layout import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, check_value, make_value

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from maru_shm import EvictionSettings, Store, eviction_settings, remove_pool
-from maru_shm.format import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, CLASS_LOCK_BASE, CLS_HAND, DEMAND_ACC_OFF,
-                             DEMAND_EPOCH_OFF, FLAG_AGE, U32, U64)
+from maru_shm.format.layout import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, CLASS_LOCK_BASE, CLS_HAND, DEMAND_ACC_OFF,
+                                    DEMAND_EPOCH_OFF, FLAG_AGE, U32, U64)
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from maru_shm.allocator.policy import Settings
-from maru_shm.sizeclasses import geometric_sizes
-from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
+from maru_shm.format.sizeclasses import geometric_sizes
+from maru_shm.format.layout import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from maru_shm.allocator.kept import spare_limit
 from maru_shm.index import key_digest
 
@@ -77,7 +77,7 @@ def _churn(s, prefix, size, times):
 
 def _live_fraction(s, size):
     """Fraction of the data area holding live values of exactly `size` bytes."""
-    from maru_shm.poolview import class_table
+    from maru_shm.checks.view import class_table
     rows = [r for r in class_table(s) if r["block_size"] == s.alloc.class_for(size).block]
     return sum(r["live_bytes"] for r in rows) / s.geo.data_bytes
 
@@ -142,7 +142,7 @@ def test_batch_spanning_a_partial_slab_and_an_eviction_keeps_its_blocks(open_sto
     """One allocate call takes the last free blocks of a partial slab, then must evict to make room for
     the rest, and the slab CLOCK hand points at that very slab: the blocks already taken carry their
     owner by then, so the eviction skips the slab instead of freeing (and reformatting) it under them."""
-    from maru_shm.format import CLS_PARTIAL, SLAB_HAND_OFF, SLAB_REF, U32
+    from maru_shm.format.layout import CLS_PARTIAL, SLAB_HAND_OFF, SLAB_REF, U32
     s = open_store("16M")
     size = 100 * KiB
     info = s.alloc.class_for(size)
@@ -215,7 +215,7 @@ def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
     bounded sweep, the slab CLOCK none either, and the put fails instead of looping. Once the blocks
     are disowned (every ref bit set), the next put evicts exactly one block, the one at the hand, and
     the sweep has cleared the ref bit of every other block."""
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, U64
     s = open_store("16M")
     size = 100 * KiB
     info, n = _fill_one_class(s, size)
@@ -245,7 +245,7 @@ def test_block_clock_keeps_a_value_hit_twice_over_one_hit_once(open_store):
     the unreferenced blocks in the first pass and the block hit once in the second: the block hit twice,
     earlier in the ring, survives with a count of 1 (a one-bit CLOCK would take it first in the second pass).
     """
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, REF_MAX, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, REF_MAX, U64
     s = open_store("16M")
     size = 100 * KiB
     info, n = _fill_one_class(s, size)
@@ -308,7 +308,7 @@ def test_the_move_rule_balances_retention_with_a_margin(open_store):
     window of c's k units keeps its values 1 + MOVE_MARGIN times as long as c after taking. That never
     makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
     MOVE_MARGIN = Settings().move_margin
-    from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
+    from maru_shm.format.layout import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     ia, _ = _fill_one_class(s, next(b for b in sizes if b >= 100 * KiB), "a")
@@ -341,7 +341,7 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     blocks far apart (100, 600, 800), the victims are exactly those three, in ring order from the hand, and only the
     ref bits the hand passed are cleared. With every ref bit set, the second pass takes the blocks
     at the hand, and the first pass has cleared every bit."""
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, U64
     s = open_store("16M")
     size = 16 * KiB
     s.declare_size(size)
@@ -422,7 +422,7 @@ def test_free_run_search_matches_trying_every_start(open_store):
 def class_lock_held_by_another_thread(s, cid: int):
     """CLASS[cid] held by another thread of this process for the duration of the block."""
     import threading
-    from maru_shm.format import CLASS_LOCK_BASE
+    from maru_shm.format.layout import CLASS_LOCK_BASE
     held, release = threading.Event(), threading.Event()
 
     def holder():
@@ -581,7 +581,7 @@ def _overwrite_claims(s, info, d, off, word) -> None:
     """What a live process's overwrite or delete of digest `d` does first: under the shard lock its entry goes
     (here: removed) and the block at `off` with `word` becomes its claim, which it keeps for its next put of
     the class (no class lock needed to reuse it)."""
-    from maru_shm.format import SHARD_LOCK_BASE
+    from maru_shm.format.layout import SHARD_LOCK_BASE
     sh = s.index.shard_of(d)
     with s.locks.hold(SHARD_LOCK_BASE + sh):
         s.publisher.claim_for_free(off, word)
@@ -611,7 +611,7 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     without a class lock, freeing the slab would hand that block out twice. The move re-checks after
     unpublishing: the slab stays, the blocks it did unpublish are freed one by one, the claimed one stays
     LIVE and owned, and the process's next put of the class reuses it."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
     info, h, victims = _a_full_slab(s, size)
@@ -645,7 +645,7 @@ def test_a_slab_move_leaves_a_slab_whose_claimed_block_was_reused_before_its_rec
     reuse, shows that the block is not the one the move listed and unpublished. Returning the slab would
     free a published block and reformat its units under its entry (seen with threads sharing one Store:
     `check` reported an entry whose offset was no block start of the new class)."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
     info, h, victims = _a_full_slab(s, size)
@@ -668,7 +668,7 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     the rest. A live process that overwrote one of them meanwhile claimed it (its entry replaced under the
     shard lock before the index was asked) and may reuse it without the class lock: repair reads the owner
     again before freeing, and leaves it used."""
-    from maru_shm.format import CLASS_LOCK_BASE, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, U64
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
@@ -695,7 +695,7 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
 def test_class_repair_leaves_a_claimed_block_reused_before_it_frees(open_store):
     """As above, but the claimant has reused the block, published the new value and cleared its owner
     before repair frees what the index did not name: the owner says nothing then, the word (moved on) does."""
-    from maru_shm.format import CLASS_LOCK_BASE
+    from maru_shm.format.layout import CLASS_LOCK_BASE
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
@@ -714,7 +714,7 @@ def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open
     claimed it first (its overwrite replaced the entry before the reaper asked the index): then it is that
     process's, which may already have reused it and published the new value, its owner cleared. The reaper
     frees only a block still of the dead slot with the word it read."""
-    from maru_shm.format import META_OWNER_OFF, U16
+    from maru_shm.format.layout import META_OWNER_OFF, U16
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
@@ -736,7 +736,7 @@ def test_a_slab_move_cut_short_repairs_the_donor_class(open_store, monkeypatch):
     cut their eviction short, so a half-emptied donor slab was never repaired. Their marks now stay, and the
     cut call, as the next holder of every lock it left dirty, repairs the donor class before it raises."""
     from maru_shm.allocator.slabmover import SlabMover
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_RECORD
 
     s = open_store("4M", timeout=2.0)
     donor, _ = _fill_one_class(s, 16 * KiB)

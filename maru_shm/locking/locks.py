@@ -27,11 +27,11 @@ import weakref
 
 import numpy as np
 
-from . import crashpoints as _cp
-from .errors import LockTimeout
+from .. import crashpoints as _cp
+from ..errors import LockTimeout
 from .lockwait import acquire as wait_acquire, wait_for
-from .format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS, LOCK_INIT,
-                     LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from ..format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS,
+                             LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
 from .guard import guard
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64

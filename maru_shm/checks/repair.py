@@ -13,13 +13,14 @@ import threading
 
 import numpy as np
 
-from .format import (CLASSES_VERSION_OFF, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, FREE, KIND_UNUSED, LOCK_CLASSTAB,
-                     LOCK_POOL, META_SIZE, SHARD_LOCK_BASE, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL, next_word, store_u64)
-from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem, planned_class
-from .livecheck import NoLocks, check_domains, check_live
-from .locks import lock_name
-from .poolview import PoolView
-from .validity import entry_problem
+from ..format.layout import (CLASSES_VERSION_OFF, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, FREE, KIND_UNUSED,
+                             LOCK_CLASSTAB, LOCK_POOL, META_SIZE, SHARD_LOCK_BASE, U32, UNIT_FREE, UNIT_HEAD,
+                             UNIT_TAIL, next_word, store_u64)
+from .rules import CheckReport, bad_heads, block_starts, class_entry_problem, planned_class
+from .check import NoLocks, check_domains, check_live
+from ..locking.locks import lock_name
+from .view import PoolView
+from ..datapath.validity import entry_problem
 
 
 def check_store(store, repair: bool = False, progress=None) -> CheckReport:

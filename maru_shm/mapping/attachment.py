@@ -12,10 +12,11 @@ import ctypes
 import os
 
 from . import faultguard
-from .errors import PoolDamagedError, StoreError
-from .format import HEADER_READY_END, Geometry
-from .index import Index
-from .locks import LockTable
+from ..errors import PoolDamagedError, StoreError
+from ..format.layout import HEADER_READY_END
+from ..format.geometry import Geometry
+from ..index import Index
+from ..locking.locks import LockTable
 from .poolfile import PoolFile, regrow_truncated
 
 

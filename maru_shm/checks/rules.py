@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from .format import CLASS_STRUCT, KIND_EXACT, KIND_UNUSED, UNIT_HEAD
-from .sizeclasses import planned_geometric
+from ..format.layout import CLASS_STRUCT, KIND_EXACT, KIND_UNUSED, UNIT_HEAD
+from ..format.sizeclasses import planned_geometric
 
 
 @dataclasses.dataclass

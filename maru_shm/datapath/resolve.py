@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .index.table import ABSENT
+from ..index.table import ABSENT
 from .validity import block_starts_ok, check_entries, leading_mismatch, lookup
 
 

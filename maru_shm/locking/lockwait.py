@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable
 
-from .errors import LockTimeout
+from ..errors import LockTimeout
 
 YIELDS = 16  # sched_yield rounds before a waiter starts sleeping
 FIRST_SLEEP = 20e-6

@@ -14,17 +14,18 @@ import os
 import stat
 import time
 
-from . import crashpoints as _cp
-from .access import check_mode, check_owner
-from .errors import (LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError,
-                     StoreError, TruncatedPoolError, VersionError)
+from .. import crashpoints as _cp
+from ..locking.access import check_mode, check_owner
+from ..errors import (LockFileError, NotAPoolError, PermissionDeniedError, SizeMismatchError, StoreError,
+                      TruncatedPoolError, VersionError)
 from .creation import build_pool, format_pool, free_space
-from .format import (FLAG_DEVICE, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
-                     LOCK_INIT, MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32, Geometry)
-from .lockfile import (boot_id, fit_to_pool, identity, lock_file_path, missing_error, name_pool, names_pool,
-                       open_lock_file, remove_unused, serves, still_at)
-from .locks import ofd_unlock, take_lock
-from .sizes import format_size
+from ..format.layout import (FLAG_DEVICE, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
+                             LOCK_INIT, MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, SUPERBLOCK_SIZE, U32)
+from ..format.geometry import Geometry
+from ..locking.lockfile import (boot_id, fit_to_pool, identity, lock_file_path, missing_error, name_pool, names_pool,
+                                open_lock_file, remove_unused, serves, still_at)
+from ..locking.locks import ofd_unlock, take_lock
+from ..sizes import format_size
 
 DAX_ALIGN = 2 << 20
 

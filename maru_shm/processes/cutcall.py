@@ -9,7 +9,7 @@ any more): so the call settles its ledger, then is the next holder of every lock
 
 from __future__ import annotations
 
-from .format import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE
+from ..format.layout import CLASS_LOCK_BASE, LOCK_POOL, SHARD_LOCK_BASE
 
 
 def settle_cut_call(store) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from .format import COUNTERS, COUNTER_NAMES, COUNTER_SIZE, N_COUNTERS, U64
+from ..format.layout import COUNTERS, COUNTER_NAMES, COUNTER_SIZE, N_COUNTERS, U64
 
 _POSITION = {name: i for i, name in enumerate(COUNTER_NAMES)}
 _HITS, _MISSES, _BYTES_READ = _POSITION["hits"], _POSITION["misses"], _POSITION["bytes_read"]

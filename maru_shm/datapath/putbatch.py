@@ -21,9 +21,9 @@ import ctypes
 
 import numpy as np
 
-from . import crashpoints as _cp
-from .errors import StoreError
-from .format import LIVE, META_OWNER_OFF, U16, U64, next_word, next_words, store_u64
+from .. import crashpoints as _cp
+from ..errors import StoreError
+from ..format.layout import LIVE, META_OWNER_OFF, U16, U64, next_word, next_words, store_u64
 from .validity import granule_shift
 
 

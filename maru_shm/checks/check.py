@@ -19,17 +19,17 @@ import os
 
 import numpy as np
 
-from .allocator import Allocator
-from .checkrules import CheckReport, bad_heads, block_starts, class_entry_problem
-from .errors import StoreError
-from .format import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
-                     KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_STRUCT,
-                     PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
-                     SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, U32, UNIT_FREE, UNIT_HEAD,
-                     UNIT_TAIL, length_sound)
-from .index import Index
-from .validity import entry_problem
-from .locks import carries_locks, lock_name, ofd_unlock, take_lock
+from ..allocator import Allocator
+from .rules import CheckReport, bad_heads, block_starts, class_entry_problem
+from ..errors import StoreError
+from ..format.layout import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, FREE_FLOOR_OFF,
+                             KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
+                             META_STRUCT, PROC_ENTRY, PROC_HEAD, RESERVED, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_HEAD,
+                             SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, U32, UNIT_FREE,
+                             UNIT_HEAD, UNIT_TAIL, length_sound)
+from ..index import Index
+from ..datapath.validity import entry_problem
+from ..locking.locks import carries_locks, lock_name, ofd_unlock, take_lock
 
 
 class ReadLocks:

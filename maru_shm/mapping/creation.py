@@ -19,13 +19,14 @@ import mmap
 import os
 import re
 
-from . import crashpoints as _cp
-from .errors import StoreError
-from .format import (CLASS_STRUCT, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF, MAGIC, STATE_OFF, STATE_READY,
-                     U32, Geometry)
-from .lockfile import boot_id, identity, name_pool
-from .sizeclasses import planned_geometric
-from .sizes import format_size
+from .. import crashpoints as _cp
+from ..errors import StoreError
+from ..format.layout import (CLASS_STRUCT, LOCK_BOOT_OFF, LOCK_IDENTITY, LOCK_IDENTITY_OFF, MAGIC, STATE_OFF,
+                             STATE_READY, U32)
+from ..format.geometry import Geometry
+from ..locking.lockfile import boot_id, identity, name_pool
+from ..format.sizeclasses import planned_geometric
+from ..sizes import format_size
 
 _TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

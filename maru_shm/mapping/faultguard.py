@@ -20,7 +20,7 @@ import ctypes
 import mmap
 import signal
 
-from .guard import guard
+from ..locking.guard import guard
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

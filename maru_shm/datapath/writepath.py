@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import crashpoints as _cp
-from .allocator import SMALL_BATCH
-from .errors import StoreError
-from .index import digest_array
-from .pieces import PieceTable, piece_lengths
+from .. import crashpoints as _cp
+from ..allocator import SMALL_BATCH
+from ..errors import StoreError
+from ..index import digest_array
+from ..copying.pieces import PieceTable, piece_lengths
 from .putbatch import ScalarPut, VectorPut
 from .resolve import resolve
 

@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .format import (ENTRY_COL_OFFSET, ENTRY_COL_WORD, LENGTH_CHECK_BITS, LENGTH_CHECK_MOD, LENGTH_CHECK_MUL,
-                     LENGTH_CHECK_SHIFT, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_STRUCT,
-                     META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, UNIT_HEAD, UNIT_TAIL, length_check, length_flags,
-                     length_sound)
+from ..format.layout import (ENTRY_COL_OFFSET, ENTRY_COL_WORD, LENGTH_CHECK_BITS, LENGTH_CHECK_MOD, LENGTH_CHECK_MUL,
+                             LENGTH_CHECK_SHIFT, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_STRUCT,
+                             META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, UNIT_HEAD, UNIT_TAIL, length_check,
+                             length_flags, length_sound)
 
 # columns of index entries and block metas as rows of u64, and fields of a meta's tail u64
 _E_WORD, _E_OFFSET = ENTRY_COL_WORD, ENTRY_COL_OFFSET

@@ -24,17 +24,19 @@ import time
 
 import numpy as np
 
-from . import faultguard
-from .errors import NotAPoolError, PoolDamagedError, StoreError
-from .format import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
-                     ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC, LIVE,
-                     LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD,
-                     MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY,
-                     PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE,
-                     SLOT_LOCK_BASE, SUPERBLOCK_SIZE, UNIT_FREE, UNIT_HEAD, VERSION, Geometry)
-from .locks import lock_name, ofd_is_held
-from .lockfile import open_for_reading
-from .poolfile import dax_size, open_existing
+from ..mapping import faultguard
+from ..errors import NotAPoolError, PoolDamagedError, StoreError
+from ..format.layout import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST,
+                             ENTRY_SIZE, ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEADER_READY_END, HEALS_OFF,
+                             KIND_EXACT, KIND_GEOMETRIC, LIVE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT,
+                             LOCK_POOL, LOCK_PROC, LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF,
+                             META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF,
+                             SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE, SLOT_LOCK_BASE, SUPERBLOCK_SIZE,
+                             UNIT_FREE, UNIT_HEAD, VERSION)
+from ..format.geometry import Geometry
+from ..locking.locks import lock_name, ofd_is_held
+from ..locking.lockfile import open_for_reading
+from ..mapping.poolfile import dax_size, open_existing
 
 #: Version of the `report()` layout (the `maru-shm inspect --json` object).
 REPORT_SCHEMA = 2  # 2: a process's `alive` may be None (unknown), and `repair.locks_seen`

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from .errors import PermissionDeniedError
+from ..errors import PermissionDeniedError
 
 
 def is_private(mode: int) -> bool:

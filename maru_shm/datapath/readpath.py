@@ -14,9 +14,9 @@ import functools
 
 import numpy as np
 
-from .allocator import SMALL_BATCH
-from .format import SLAB_REF, U64
-from .pieces import Pieces, PieceTable, piece_lengths
+from ..allocator import SMALL_BATCH
+from ..format.layout import SLAB_REF, U64
+from ..copying.pieces import Pieces, PieceTable, piece_lengths
 from .resolve import Resolved, resolve
 from .validity import Hit, block_start_problem, granule_shift, lookup
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import crashpoints as _cp
-from .format import LOCK_PROC, META_OWNER_OFF, META_SIZE, SLOT_LOCK_BASE
-from .locks import ofd_trylock, ofd_unlock
+from .. import crashpoints as _cp
+from ..format.layout import LOCK_PROC, META_OWNER_OFF, META_SIZE, SLOT_LOCK_BASE
+from ..locking.locks import ofd_trylock, ofd_unlock
 
 
 class Reaper:
