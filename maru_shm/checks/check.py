@@ -211,7 +211,7 @@ def _check_units(pool, report) -> None:
 
 
 def _slabs_of(pool, c: int) -> list[int]:
-    """Heads of class c's slabs that are usable (not among checkrules.bad_heads, which _check_units reports)."""
+    """Heads of class c's slabs that are usable (not among rules.bad_heads, which _check_units reports)."""
     alloc = pool.alloc
     bad = {h for h, _ in bad_heads(pool)}
     return [h for h in np.flatnonzero((alloc.states == UNIT_HEAD) & (alloc.clsfield == c)).tolist() if h not in bad]

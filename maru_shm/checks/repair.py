@@ -26,7 +26,7 @@ from ..datapath.validity import entry_problem
 def check_store(store, repair: bool = False, progress=None) -> CheckReport:
     """Verify the whole pool; with repair=True rebuild it first and report what is still wrong.
 
-    Without repair this is the live check (livecheck.check_live): read-only, one lock domain at a time.
+    Without repair this is the live check (check.check_live): read-only, one lock domain at a time.
     Repair holds every lock for its whole run: it rewrites derived state across domains.
     """
     if not repair:

@@ -1,6 +1,6 @@
 """The rules both checks share: what a report holds, and the slab-table facts derived from HEAD entries.
 
-livecheck.py applies every rule of docs/FORMAT.md domain by domain; check.py repairs and then runs the
+check.py applies every rule of docs/FORMAT.md domain by domain; repair.py repairs and then runs the
 same live check with every lock held. The few facts both need about the slab table (which HEADs are
 unusable, where blocks start, whether a class entry is what it must be) live here, once.
 """

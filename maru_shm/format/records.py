@@ -1,7 +1,7 @@
 """How a mapped record of the pool file is declared: once, as a numpy structured dtype of its fields in
 file order (reserved bytes included), from which every offset, size, struct and column is derived.
 
-format.py declares the records (docs/FORMAT.md's tables); the code reads them through what is derived
+layout.py declares the records (docs/FORMAT.md's tables); the code reads them through what is derived
 here, never through an offset written by hand.
 """
 

@@ -1,7 +1,7 @@
 """Size classes: fine geometric classes for any value, plus exact-fit classes declared at run time.
 
 Part of the file format: creation writes the planned geometric classes into the class table, and a
-pool's geometry (format.Geometry) counts them, so this math sits below format.py and imports nothing
+pool's geometry (geometry.Geometry) counts them, so this math sits below layout.py and imports nothing
 of the package.
 
 Eight classes per doubling keep the internal waste of an arbitrary value
@@ -15,7 +15,7 @@ import functools
 import math
 
 MAX_BLOCKS_PER_SLAB = 256  # a slab's bitmap holds 256 bits (format.BITMAP_BYTES = 32)
-KIND_GEOMETRIC = 1  # class entry kind of a geometric class (format.py re-exports it with the other kinds)
+KIND_GEOMETRIC = 1  # class entry kind of a geometric class (layout.py re-exports it with the other kinds)
 
 CLASSES_PER_DOUBLING = 8
 ALIGN = 64

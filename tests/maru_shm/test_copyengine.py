@@ -1,4 +1,4 @@
-"""The copy engine (maru_shm/copyengine.py) and the idle-core reading that sizes it (idlecores.py).
+"""The copy engine (maru_shm/copying/copyengine.py) and the idle-core reading that sizes it (idlecores.py).
 
 Every test checks bytes: what the pieces name is copied exactly once, and nothing around them changes.
 """

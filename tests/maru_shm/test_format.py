@@ -496,7 +496,7 @@ def test_creating_a_pool_larger_than_its_tmpfs_fails_cleanly(small_tmpfs):
 
 
 # Every field of every mapped record at the offset (and of the size) docs/FORMAT.md gives it, reserved bytes
-# included: the records are declared once in format.py, with offsets that follow from the field sizes, so
+# included: the records are declared once in format/layout.py, with offsets that follow from the field sizes, so
 # this table is what keeps an edit there from moving a field silently. (record, size, [(field, offset,
 # bytes)]), FORMAT.md sections 2, 3, 4, 5, 6, 7 and 10.
 FORMAT_TABLES = [

@@ -151,7 +151,7 @@ def _wait_for_a_held_lock(wait, path, store):
         Store.open(path, timeout=TIMEOUT)
     elif wait == "section":  # locks.LockTable: a section lock of a put
         store.put("victim", b"x" * 100)
-    elif wait == "check":  # livecheck: a shared lock of the live check
+    elif wait == "check":  # checks/check.py: a shared lock of the live check
         check_pool(path, timeout=TIMEOUT)
     else:  # admin: PROC, while destroy decides
         destroy_pool(path, timeout=TIMEOUT)

@@ -1,4 +1,4 @@
-"""Piece tables: the flattening every batch copy loop runs on (maru_shm/pieces.py)."""
+"""Piece tables: the flattening every batch copy loop runs on (maru_shm/copying/pieces.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batched lock-free lookups (maru_shm/resolve.py) agree with the scalar probe, however far keys sit
+"""Batched lock-free lookups (maru_shm/datapath/resolve.py) agree with the scalar probe, however far keys sit
 from their home slots."""
 
 from __future__ import annotations
