@@ -40,13 +40,13 @@ from maru_shm import Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
-from .localtier import LocalTier
+from .tiers.local import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit
 from .pool import SharedPool
 from .sync import public_calls
-from .tier2 import SecondTier
-from .twotier import TwoTiers
+from .tiers.second import SecondTier
+from .tiers.twotiers import TwoTiers
 
 logger = logging.getLogger("maru_sglang")
 

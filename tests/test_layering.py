@@ -182,7 +182,7 @@ def test_clients_use_only_the_public_face(path):
 
 
 # The backend's parts below its SGLang adapter: the adapter builds and calls them, they never call it back.
-BELOW_THE_ADAPTER = ("hybrid", "localtier", "twotier", "tier2")
+BELOW_THE_ADAPTER = ("hybrid", "tiers/local", "tiers/twotiers", "tiers/second", "tiers/status")
 ADAPTER, ADAPTER_MODULE = "MaruStorage", "maru_sglang.maru_storage"
 
 

@@ -139,7 +139,7 @@ def cmd_create(args) -> int:
 def _report(view) -> dict:
     """The pool's report, plus the second tier's figures of the processes attached to it (maru_tier2)."""
     from maru_shm import pool_report
-    from maru_sglang.tierstatus import read_statuses
+    from maru_sglang.tiers.status import read_statuses
     rep = pool_report(view)
     rep["tier2"] = read_statuses(rep["path"], [p["pid"] for p in rep["processes"] if p["alive"] is not False])
     return rep
@@ -336,7 +336,7 @@ def cmd_destroy(args) -> int:
     except PoolInUseError as e:
         _warn(str(e))
         return EXIT_PROBLEMS
-    from maru_sglang.tierstatus import remove_all
+    from maru_sglang.tiers.status import remove_all
     remove_all(path)
     if attached:
         who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in attached)

@@ -18,9 +18,9 @@ import torch
 
 from maru_shm import Store
 
-from .namespace import KeySpace
-from .pages import check_host_indices, page_pieces, store_pages
-from .sync import Tally
+from ..namespace import KeySpace
+from ..pages import check_host_indices, page_pieces, store_pages
+from ..sync import Tally
 
 LogOnce = Callable[[str, BaseException], None]
 PER_CALL_KEPT = 10_000  # per-call figures kept for SGLang's StorageMetrics until drain() reads them

@@ -1,7 +1,7 @@
 """The second tier: Mooncake Store behind the shared-memory pool, through SGLang's own MooncakeStore.
 
 A maru_shm pool serves the processes of one node; between nodes, pages travel through Mooncake Store.
-This module owns the tier's life and its guard rails. Which pages go where is `twotier.py`'s business.
+This module owns the tier's life and its guard rails. Which pages go where is `twotiers.py`'s business.
 
 Rules:
 - SGLang never waits for the tier. With the master down, MooncakeStore's constructor blocks about 90 s
@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from . import tierstatus
-from .config import master_address
-from .sync import Mutex, MutexTimeout, Tally, boundary
+from . import status as tierstatus
+from ..config import master_address
+from ..sync import Mutex, MutexTimeout, Tally, boundary
 
 logger = logging.getLogger("maru_sglang")
 

@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransferResult
 
-from .hybrid import HybridPools
-from .localtier import LocalTier
+from ..hybrid import HybridPools
+from .local import LocalTier
 
 
 def _rows(host_indices, n_keys: int, rows: List[int]):
