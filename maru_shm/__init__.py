@@ -16,7 +16,8 @@ from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError
                      TruncatedPoolError, ValueTooLargeError, VersionError)
 from .format.geometry import Geometry
 from .index import key_digest, prefixed_digest, prefixed_digests
-from .checks.view import PoolView, report as pool_report
+from .checks.view import PoolView
+from .checks.figures import report as pool_report
 from .sizes import format_size, parse_size
 from .store import Store
 

@@ -17,9 +17,10 @@ from .format.geometry import Geometry
 from .checks.check import check_live
 from .mapping.creation import remove_leftovers
 from .locking.lockfile import lock_file_path, missing_error, names_pool, open_lock_file, serves, still_at
-from .locking.locks import take_lock
+from .locking.ofd import take_lock
 from .mapping.poolfile import is_device_path
-from .checks.view import PoolView, processes
+from .checks.view import PoolView
+from .checks.figures import processes
 from .sizes import parse_size
 from .store import Store
 

@@ -42,7 +42,7 @@ from .locking.guard import release_stranded as release_stranded_guards
 from .index import digest_array, key_digest
 from .copying.pieces import Pieces, buffer_address, writable_bytes
 from .mapping.poolfile import PoolFile, ensure_backed, open_pool_file
-from .checks.view import counters as pool_counters, pool_stats
+from .checks.figures import counters as pool_counters, pool_stats
 from .processes.proctable import ProcessTable
 from .datapath.publish import Publisher
 from .datapath.readpath import ReadPath

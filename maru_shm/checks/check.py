@@ -29,7 +29,8 @@ from ..format.layout import (BITMAP_BYTES, CLASS_LOCK_BASE, CLS_NSLABS, CLS_PART
                              UNIT_HEAD, UNIT_TAIL, length_sound)
 from ..index import Index
 from ..datapath.validity import entry_problem
-from ..locking.locks import carries_locks, lock_name, ofd_unlock, take_lock
+from ..locking.ofd import carries_locks, ofd_unlock, take_lock
+from ..locking.locks import lock_name
 
 
 class ReadLocks:

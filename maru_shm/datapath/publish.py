@@ -18,7 +18,7 @@ from ..allocator import SMALL_BATCH
 from ..errors import ValueTooLargeError
 from ..format.layout import (FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT,
                              SHARD_LOCK_BASE, U16, U32, U64, length_sound)
-from ..locking.locks import dense_range
+from ..locking.ofd import dense_range
 from .validity import Hit, lookup, names_lifetime
 
 

@@ -13,11 +13,11 @@ import time
 import zlib
 
 from ..errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
-from .layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, DEFAULT_ENTRY_BYTES, DEFAULT_UNIT, ENTRY_SIZE, FLAG_RETIRED,
-                     HEADER_READY_END, LOCK_IDS, LOCK_RECORD, MAGIC, META_SIZE, MIN_GRANULE, PROC_ENTRY, RETIRED_FIXED,
-                     RETIRED_PER_GRANULE, SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, STATE_OFF, STATE_READY,
-                     SUPERBLOCK, SUPERBLOCK_FIELDS, SUPERBLOCK_SIZE, U32, VERSION, granule_for, index_slots_for,
-                     shard_limit)
+from .layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, DEFAULT_ENTRY_BYTES, DEFAULT_UNIT, ENTRY_SIZE,
+                     FLAG_RETIRED, HEADER_READY_END, LOCK_IDS, LOCK_RECORD, MAGIC, META_SIZE, MIN_GRANULE, PROC_ENTRY,
+                     RETIRED_FIXED, RETIRED_PER_GRANULE, SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, STATE_OFF,
+                     STATE_READY, SUPERBLOCK, SUPERBLOCK_FIELDS, SUPERBLOCK_SIZE, U32, VERSION, granule_for,
+                     index_slots_for, shard_limit)
 from .sizeclasses import MAX_BLOCKS_PER_SLAB, geometric_sizes
 
 

@@ -25,7 +25,7 @@ from .access import check_lock_file_reach, check_owner, lock_file_mode
 from ..errors import LockFileError, PermissionDeniedError, StoreError
 from ..format.layout import (HEADER_READY_END, LOCK_FILE_HEAD, LOCK_FILE_MAGIC, LOCK_IDENTITY, LOCK_IDENTITY_OFF,
                              LOCK_INIT, MAGIC, POOL_UUID_OFF, STATE_OFF, STATE_READY, U32)
-from .locks import ofd_trylock, ofd_unlock
+from .ofd import ofd_trylock, ofd_unlock
 
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO at the path must not block the open
 _boot: bytes | None = None

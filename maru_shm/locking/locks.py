@@ -1,11 +1,8 @@
-"""Crash-safe, sharded, timed locks: OFD record locks plus a dirty record per lock.
+"""Crash-safe, sharded, timed locks: OFD record locks (ofd.py) plus a dirty record per lock.
 
-An OFD lock (`F_OFD_SETLK`) belongs to an open file description, so the
-kernel drops it when its holder dies, whatever the holder was doing. The
-kernel cannot say *what* the holder left half done, so each lock has a
-record in the pool (`dirty`): set on entry, cleared on a clean exit. The next
-holder that finds it set repairs that lock's domain first (LMDB's stale
-reader check, applied to every critical section).
+The kernel drops a dead holder's OFD lock but cannot say *what* the holder left half done, so each lock
+has a record in the pool (`dirty`): set on entry, cleared on a clean exit. The next holder that finds it
+set repairs that lock's domain first (LMDB's stale reader check, applied to every critical section).
 
 OFD locks do not exclude threads sharing one description, so each thread
 takes section locks on a description of its own (the lock file reopened
@@ -17,10 +14,8 @@ consecutive ids, with no per-id thread lock to take and release.
 from __future__ import annotations
 
 import errno
-import fcntl
 import functools
 import os
-import struct
 import threading
 import time
 import weakref
@@ -29,16 +24,12 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..errors import LockTimeout
-from .lockwait import acquire as wait_acquire, wait_for
-from ..format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS,
-                             LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
+from .lockwait import wait_for
+from ..format.layout import (CLASS_LOCK_BASE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_COL_OP, LOCK_IDS, LOCK_INIT,
+                             LOCK_POOL, LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLOT_LOCK_BASE)
 from .guard import guard
+from .ofd import carries_locks, id_runs, is_span, ofd_trylock, ofd_unlock
 
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64/aarch64
-# Whatever holds open descriptions that may carry this process's OFD locks (`lock_fds()`): a LockTable,
-# the live check's read locks. A fork()ed child drops its copies of them (_drop_lock_descriptions_in_child).
-_CARRIERS: "weakref.WeakSet" = weakref.WeakSet()
-_F_RDLCK, _F_WRLCK, _F_UNLCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _NONE: frozenset = frozenset()
 
 
@@ -54,99 +45,6 @@ def lock_name(lock_id: int) -> str:
     if lock_id >= CLASS_LOCK_BASE:
         return f"CLASS[{lock_id - CLASS_LOCK_BASE}]"
     return f"LOCK[{lock_id}]"
-
-
-def carries_locks(carrier) -> None:
-    """Register an object whose `lock_fds()` names open descriptions that may carry our OFD locks."""
-    _CARRIERS.add(carrier)
-
-
-def _drop_lock_descriptions_in_child() -> None:
-    """After fork(), in the child: its copy of every description that may carry the parent's OFD locks is
-    replaced by /dev/null. An OFD lock belongs to its description, which lives while any process holds a
-    descriptor of it: a child holding copies would keep the parent's locks and SLOT (so its liveness) after
-    the parent died. The numbers stay open, so the child's close() finds what it expects, and the parent's
-    descriptors are not touched."""
-    fds = [fd for carrier in list(_CARRIERS) for fd in carrier.lock_fds()]
-    if not fds:
-        return
-    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        for fd in fds:
-            os.dup2(null, fd, inheritable=False)
-    finally:
-        os.close(null)
-
-
-os.register_at_fork(after_in_child=_drop_lock_descriptions_in_child)
-
-
-def flock_bytes(kind: int, lock_id: int, n: int = 1) -> bytes:
-    return _FLOCK.pack(kind, os.SEEK_SET, LOCK_BASE + lock_id, n, 0)
-
-
-def ofd_trylock(fd: int, lock_id: int, n: int = 1, *, shared: bool = False) -> bool:
-    """Take OFD locks lock_id .. lock_id+n-1 without waiting, all or none (one fcntl call); `shared` takes
-    read locks (F_RDLCK), which exclude only write locks.
-
-    False if another description holds any of them in a conflicting mode.
-    """
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_RDLCK if shared else _F_WRLCK, lock_id, n))
-        return True
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def ofd_unlock(fd: int, lock_id: int, n: int = 1) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, flock_bytes(_F_UNLCK, lock_id, n))
-
-
-def take_lock(fd: int, lock_id: int, timeout: float, what, *, shared: bool = False) -> None:
-    """Take one OFD lock on `fd`, waiting at most `timeout` seconds (lockwait: one backoff, LockTimeout),
-    for a caller without a LockTable (opening a pool, destroying one, the live check)."""
-    wait_acquire(functools.partial(ofd_trylock, fd, lock_id, shared=shared), timeout, what)
-
-
-def _is_span(ids) -> bool:
-    """Are these sorted distinct ids consecutive (one run, its records one slice)?"""
-    return bool(ids) and ids[-1] - ids[0] + 1 == len(ids)
-
-
-def _runs(ids) -> list[tuple[int, int]]:
-    """Sorted distinct lock ids as (first, count) runs of consecutive ids."""
-    if _is_span(ids):  # a dense batch's whole range (dense_range): no pass over the ids
-        return [(ids[0], len(ids))]
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1])
-    return [(a, n) for a, n in runs]
-
-
-def ofd_is_held(fd: int, lock_id: int) -> bool:
-    """True if some other open file description holds the lock (does not take it)."""
-    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock_bytes(_F_WRLCK, lock_id))
-    return _FLOCK.unpack(res)[0] != _F_UNLCK
-
-
-def dense_range(ids) -> list[int]:
-    """The ids sorted and distinct, or every id from the first to the last if they are at least half of that range.
-
-    A batch that touches most index shards then takes (and releases) them with one
-    fcntl call each way, and marks their records with one slice; the few ids in between
-    that it did not need are held for as long (a dirty one is repaired, as any).
-    """
-    if len(ids) == 1:
-        return ids
-    ids = sorted(set(ids))
-    if len(ids) > 2 and 2 * len(ids) >= ids[-1] - ids[0] + 1:
-        return list(range(ids[0], ids[-1] + 1))
-    return ids
 
 
 class _ThreadLocks:
@@ -270,7 +168,7 @@ class LockTable:
         record stays dirty (its next holder repairs: extra work, never a wrong repair), a clean one stays
         clean (a section that finished, or a take cut short before it marked). Unlocking an id not held is
         a no-op, so this is safe after an exception anywhere in a take or a release."""
-        for first, n in _runs(ids):
+        for first, n in id_runs(ids):
             ofd_unlock(fd, first, n)
         held.difference_update(ids)
 
@@ -344,7 +242,7 @@ class LockTable:
             held.update(ids)
             timeout = self.timeout if timeout is None else timeout
             deadline = time.monotonic() + timeout
-            for first, n in _runs(ids):
+            for first, n in id_runs(ids):
                 self._take_ofd(fd, first, n, deadline, timeout)
             return self._mark_many(ids)
         except BaseException:
@@ -354,7 +252,7 @@ class LockTable:
     def _mark_many(self, ids: list[int]) -> list[int]:
         """_mark for a batch: the ids left dirty, then every record marked ours."""
         recs = self._records()
-        if _is_span(ids):  # slices, not gathers
+        if is_span(ids):  # slices, not gathers
             a, b = ids[0], ids[-1] + 1
             dirty = (np.flatnonzero(recs[a:b, 0]) + a).tolist()
             recs[a:b] = (self.slot_plus1 or 0xFFFFFFFF, 0)
@@ -388,11 +286,11 @@ class LockTable:
         fd, held = self._thread_fd()
         try:
             if clean:
-                if _is_span(ids):
+                if is_span(ids):
                     self._records()[ids[0]:ids[-1] + 1, LOCK_COL_DIRTY] = 0
                 else:
                     self._records()[np.asarray(ids, dtype=np.int64), LOCK_COL_DIRTY] = 0
-            for first, n in _runs(ids):
+            for first, n in id_runs(ids):
                 ofd_unlock(fd, first, n)
             held.difference_update(ids)
         except BaseException:

@@ -24,7 +24,7 @@ from ..format.layout import (FLAG_DEVICE, HEADER_READY_END, LOCK_BOOT_OFF, LOCK_
 from ..format.geometry import Geometry
 from ..locking.lockfile import (boot_id, fit_to_pool, identity, lock_file_path, missing_error, name_pool, names_pool,
                                 open_lock_file, remove_unused, serves, still_at)
-from ..locking.locks import ofd_unlock, take_lock
+from ..locking.ofd import ofd_unlock, take_lock
 from ..sizes import format_size
 
 DAX_ALIGN = 2 << 20

@@ -15,7 +15,7 @@ from ..mapping.attachment import Attachment
 from ..errors import StoreError
 from ..format.layout import (COUNTERS, HEALS_OFF, LOCK_PROC, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, RETIRED_OFF,
                              SLOT_LOCK_BASE, U64, store_u64)
-from ..locking.locks import ofd_is_held, ofd_trylock, ofd_unlock
+from ..locking.ofd import ofd_is_held, ofd_trylock, ofd_unlock
 
 _U64_MASK = 2**64 - 1
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..format.layout import LOCK_PROC, META_OWNER_OFF, META_SIZE, SLOT_LOCK_BASE
-from ..locking.locks import ofd_trylock, ofd_unlock
+from ..locking.ofd import ofd_trylock, ofd_unlock
 
 
 class Reaper:

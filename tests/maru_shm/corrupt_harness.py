@@ -44,7 +44,8 @@ from maru_shm.format.layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_
                                     UNIT_TAIL, length_sound)
 from maru_shm.format.geometry import Geometry
 from maru_shm.index import key_digest
-from maru_shm.checks.view import PoolView, report
+from maru_shm.checks.view import PoolView
+from maru_shm.checks.figures import report
 
 from ..conftest import check_value, make_value, write_pool_image
 

@@ -248,7 +248,8 @@ def test_put_after_alloc_of_a_single_key_leaves_its_spares_to_reaping(pool_path)
         s = Store.open(path)
         s.put("new1", make_value("new1", 1, 3000))
     """)
-    from maru_shm.checks.view import PoolView, pool_stats
+    from maru_shm.checks.view import PoolView
+    from maru_shm.checks.figures import pool_stats
     v = PoolView.open(pool_path)
     try:
         assert pool_stats(v)["reserved_blocks"] == 1 + 16  # its block and spare_limit spares (3 KiB blocks)

@@ -286,7 +286,7 @@ def test_the_tracers_never_interrupt_a_finalizer():
         pass
     outer, seen_locks, results = sys.gettrace(), [0], []
     tracers = {"_tracer": _tracer(1, [], False),
-               "_interrupt_at_line": (_interrupt_at_line(1, locks.__file__, seen_locks), seen_locks)}
+               "_interrupt_at_line": (_interrupt_at_line(1, (locks.__file__,), seen_locks), seen_locks)}
     for name, (tracer, seen) in tracers.items():
         thing = Thing()
         finalizer = weakref.finalize(thing, locks._forget_thread_fd, weakref.ref(Thing()), -1)  # table gone
@@ -377,7 +377,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     gets: one orphan each."""
     s = _full_of_one_class(pool_path)
     seen = [0]
-    sys.settrace(_interrupt_at_line(None, blockclock.__file__, seen))
+    sys.settrace(_interrupt_at_line(None, (blockclock.__file__,), seen))
     try:
         assert s.put("new", make_value("new", 1, 6000))
     finally:
@@ -387,7 +387,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     for n in range(1, seen[0] + 1):
         s = _full_of_one_class(pool_path)
         try:
-            sys.settrace(_interrupt_at_line(n, blockclock.__file__))
+            sys.settrace(_interrupt_at_line(n, (blockclock.__file__,)))
             try:
                 s.put("new", make_value("new", 1, 6000))
             except KeyboardInterrupt:

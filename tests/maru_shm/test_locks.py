@@ -13,7 +13,7 @@ import time
 import pytest
 
 from maru_shm import LockTimeout, PoolInUseError, Store, StoreError
-from maru_shm.locking import locks as locks_mod
+from maru_shm.locking import locks as locks_mod, ofd as ofd_mod
 from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
                                     LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE,
                                     UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
@@ -606,15 +606,19 @@ def _a_lock_held_by_anyone(path) -> str | None:
     of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
     fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
     try:
-        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, locks_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
+        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, ofd_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
     finally:
         os.close(fd)
-    kind, _, start, _, _ = locks_mod._FLOCK.unpack(res)
+    kind, _, start, _, _ = ofd_mod._FLOCK.unpack(res)
     return None if kind == fcntl.F_UNLCK else locks_mod.lock_name(start - LOCK_BASE)
 
 
-def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, seen: list | None = None):
-    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_file` (as a
+# The lock layer: the lock table and the OFD calls under it.
+LOCK_LAYER = (locks_mod.__file__, ofd_mod.__file__)
+
+
+def _interrupt_at_line(n: int | None, module_files: tuple = LOCK_LAYER, seen: list | None = None):
+    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_files` (as a
     SIGINT would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a
     trace function that raises: one interrupt. Finalizers are not traced (conftest.in_finalizer)."""
     seen = [0] if seen is None else seen
@@ -627,7 +631,7 @@ def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, see
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code.co_filename == module_file and not in_finalizer(frame) else None
+        return local if frame.f_code.co_filename in module_files and not in_finalizer(frame) else None
     return calls
 
 

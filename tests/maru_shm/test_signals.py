@@ -67,7 +67,7 @@ def test_truncation_under_a_read_only_view_is_an_error_not_sigbus(pool_path):
         import os, sys
         from maru_shm import PoolDamagedError, PoolView, Store, pool_report
         from maru_shm.checks.check import check_live
-        from maru_shm.checks.view import class_table, counters, pool_stats, processes
+        from maru_shm.checks.figures import class_table, counters, pool_stats, processes
         path = sys.argv[1]
         with Store.open(path, "32M", create=True) as s:
             for i in range(64):
@@ -134,7 +134,8 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
     out = run_py("""
         import os, sys, threading, time
         import numpy as np
-        from maru_shm import Store, PoolDamagedError, copyengine
+        from maru_shm import Store, PoolDamagedError
+        from maru_shm.copying import copyengine
         path = sys.argv[1]
         s = Store.open(path, "128M", create=True, copy_threads=2)
         s.engine.cores.free = lambda: 2  # however busy the machine: the workers copy

@@ -358,7 +358,8 @@ def test_watch_survives_the_pool_truncated_under_it(pool_path):
 
 def test_store_stats_and_inspect_agree(pool_path):
     fill(pool_path)
-    from maru_shm.checks.view import PoolView, class_table, pool_stats
+    from maru_shm.checks.view import PoolView
+    from maru_shm.checks.figures import class_table, pool_stats
     with Store.open(pool_path) as s:
         st = s.stats()
         with PoolView.open(pool_path) as v:

@@ -77,7 +77,7 @@ def _churn(s, prefix, size, times):
 
 def _live_fraction(s, size):
     """Fraction of the data area holding live values of exactly `size` bytes."""
-    from maru_shm.checks.view import class_table
+    from maru_shm.checks.figures import class_table
     rows = [r for r in class_table(s) if r["block_size"] == s.alloc.class_for(size).block]
     return sum(r["live_bytes"] for r in rows) / s.geo.data_bytes
 
