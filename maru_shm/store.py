@@ -5,25 +5,14 @@ process-table slot (and that slot's lock, which proves it alive), and the
 per-process counters. Reads take no lock; writes take one class lock to
 reserve blocks and one shard lock per index shard to publish them.
 
-This module is the facade: it checks arguments, guards every call (closed,
-forked, damaged pool; the close fence) and hands the work to the store's
-parts, each owning its own state:
-
-    attachment   the mapping, lock table, index and allocator views, damage checks
-    proctable    this process's slot and every slot's liveness
-    reaper       settling what dead processes left behind
-    counters     per-process operation counters
-    readpath     lock-free lookups and copies out
-    writepath    reserve, copy, commit, publish, free
-    publish      everything under SHARD locks (publication, index-pressure eviction, unpublish)
+This module is the facade: it checks arguments, guards every call (calls.py) and hands the work to the
+store's parts, each owning its own state: the attachment (mapping/), the process table, reaper and
+counters (processes/), the read path, write path and publisher (datapath/).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import os
-import weakref
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -31,114 +20,29 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import Allocator
 from .allocator.policy import flags_for as eviction_flags
-from .mapping.attachment import Attachment
+from .calls import OPEN_STORES, public_call
+from .checks.figures import counters as pool_counters, pool_stats
 from .checks.repair import check_store
 from .copying.copyengine import CopyEngine, check_threads
-from .processes.counters import Counters
-from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .mapping.fence import CallFence
-from .processes.cutcall import repair_left_dirty, settle_cut_call
-from .locking.guard import release_stranded as release_stranded_guards
-from .index import digest_array, key_digest
 from .copying.pieces import Pieces, buffer_address, writable_bytes
-from .mapping.poolfile import PoolFile, ensure_backed, open_pool_file
-from .checks.figures import counters as pool_counters, pool_stats
-from .processes.proctable import ProcessTable
 from .datapath.publish import Publisher
 from .datapath.readpath import ReadPath
-from .processes.reaper import Reaper
 from .datapath.resolve import leading_present, resolve
-from .sizes import parse_size
 from .datapath.writepath import WritePath
+from .errors import StoreError, ValueTooLargeError
+from .index import digest_array, key_digest
+from .locking.guard import release_stranded as release_stranded_guards
+from .locking.lockwait import check_timeout
+from .mapping.attachment import Attachment
+from .mapping.fence import CallFence
+from .mapping.poolfile import PoolFile, open_pool_file
+from .processes.counters import Counters
+from .processes.proctable import ProcessTable
+from .processes.reaper import Reaper
+from .sizes import parse_size
 
-MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 PIN_LIMIT = 64  # values one Store may pin (Store.pin)
-
-# Stores open in this process. A child made by fork() inherits them with the parent's process slot and
-# kept blocks: using one there would act as the parent. The child marks them forked: every call raises
-# PoolClosedError, and close() only drops the child's copies of the mapping and descriptors. (Its copies
-# of the lock descriptions are gone already: locks.py drops them at the fork, so the parent's death
-# releases its locks and slot even while the child lives.)
-_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
-
-
-def _forget_stores_in_child() -> None:
-    for store in list(_OPEN_STORES):
-        store._forked = True
-
-
-os.register_at_fork(after_in_child=_forget_stores_in_child)
-
-
-def _entry(method=None, *, owns_blocks: bool = False):
-    """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping.
-
-    An exception raised at any bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its
-    own held (guard.release_stranded, LockTable.release_stranded), counts it out of the fence, and leaves
-    no block untracked: a call that `owns_blocks` (a put, a delete) keeps a ledger of every block it makes
-    ours (allocator/kept.py), and what the ledger still holds when an exception ends the call is settled
-    as a reaper settles a dead slot's blocks; then the call repairs every domain it left dirty (cutcall.py)."""
-    if method is None:
-        return functools.partial(_entry, owns_blocks=owns_blocks)
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        locks, fence, token = self.att.locks, self._fence, object()
-        before = locks.held_now()
-        admitted = False
-        try:
-            if self._forked or not fence.enter(token):
-                raise _refusal(self)
-            admitted = True
-            if owns_blocks:
-                self._kept.begin()
-            self.att.check_intact()
-            result = method(self, *args, **kwargs)
-            if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
-                self.att.check_intact()
-            return result
-        except BaseException:
-            release_stranded_guards()
-            locks.release_stranded(before)
-            if owns_blocks:
-                settle_cut_call(self)
-            if admitted and not before:
-                repair_left_dirty(self)
-            raise
-        finally:
-            # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
-            # of its bytecodes the exception meets, and leaving twice is leaving once.
-            try: _leave_call(self, owns_blocks, token)
-            finally: fence.leave(token)
-    return call
-
-
-def _leave_call(store, owns_blocks: bool, token) -> None:
-    """A public call is over: its ledger closed, the call counted out of the fence."""
-    if owns_blocks:
-        store._kept.end()
-    store._fence.leave(token)
-
-
-def _refusal(store) -> PoolClosedError:
-    """Why a call is refused: the store is closed, or was opened by the parent of this forked process."""
-    if store._forked:
-        return PoolClosedError("store was opened before fork() by the parent process; open the pool again in "
-                               "this process (the slot, locks and kept blocks are the parent's)")
-    return PoolClosedError("store is closed")
-
-
-def check_timeout(timeout) -> float:
-    """A lock wait limit: a positive, finite number of seconds, at most a day (NaN or inf would wait forever)."""
-    try:
-        t = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
-    if not (0 < t <= MAX_TIMEOUT):  # also false for NaN
-        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
-    return t
 
 
 class AllocatorServices:
@@ -233,7 +137,7 @@ class Store:
             finally:
                 att.release(close_file=False)
             raise
-        _OPEN_STORES.add(self)
+        OPEN_STORES.add(self)
 
     # the attached pool, for the store's own modules and tools (read-only use)
     path = property(lambda self: self.att.path)
@@ -257,17 +161,10 @@ class Store:
     def __repr__(self) -> str:
         return f"<maru_shm.Store {self.path!r} slot={self.slot} {'closed' if self._closed else 'open'}>"
 
-    @_entry
+    @public_call
     def populate(self) -> None:
         """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
-        pf = self.att.pf
-        if not pf.is_device:
-            ensure_backed(pf.fd, self.path, self.geo.file_size)
-        try:
-            self.mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+); never changes contents
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: a kernel without it (faults happen on first touch instead)
-                raise StoreError(f"cannot pre-fault {self.path}: {e.strerror}") from None
+        self.att.populate()
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
@@ -285,7 +182,7 @@ class Store:
             raise
 
     def _close(self) -> None:
-        _OPEN_STORES.discard(self)
+        OPEN_STORES.discard(self)
         if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
             self.att.release()
             self._closed = True
@@ -317,12 +214,12 @@ class Store:
         return self.att.lost()
 
     # ---------------------------------------------------------------- processes and counters
-    @_entry
+    @public_call
     def count_heal(self) -> None:
         """Count `heals` (FORMAT.md section 2): this process reopened this pool after losing its previous one."""
         self.procs.count_heal()
 
-    @_entry
+    @public_call
     def reap_dead(self) -> int:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
         return self.reaper.reap_dead()
@@ -332,7 +229,7 @@ class Store:
         return self.procs.alive(owner_plus1)
 
     # ---------------------------------------------------------------- sizes
-    @_entry
+    @public_call
     def declare_size(self, nbytes: int) -> int:
         """Give values of exactly `nbytes` an exact-fit size class (e.g. a KV page); returns its class id."""
         return self.alloc.declare_exact(int(nbytes)).cid
@@ -345,7 +242,7 @@ class Store:
         """
         return self.batch_get_pieces([key], [pieces])[0]
 
-    @_entry
+    @public_call
     def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces], *, digests=None) -> list[bool]:
         """Load many values into destination pieces; per key True only if the stored length matches exactly.
 
@@ -360,7 +257,7 @@ class Store:
         self.counters.flush()
         return out
 
-    @_entry
+    @public_call
     def resolve(self, digests, full: bool = True):
         """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).
 
@@ -368,7 +265,7 @@ class Store:
         """
         return resolve(self.att, digest_array(digests), full=full)
 
-    @_entry
+    @public_call
     def maybe_present(self, digests) -> np.ndarray:
         """Cheap, lock-free hint for a batch: False only where the digest's home slot is empty, which proves the
         key absent (backward-shift deletion keeps every entry's probe path from its home slot unbroken). True
@@ -377,7 +274,7 @@ class Store:
         halves = digest_array(digests).view("<u8")
         return self.index.home_entries(halves[:, 0], halves[:, 1])[:, 2] != 0
 
-    @_entry
+    @public_call
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
         view = writable_bytes(out)
@@ -386,7 +283,7 @@ class Store:
         self.counters.count_get(length)
         return length
 
-    @_entry
+    @public_call
     def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
         keys, outs = list(keys), list(outs)
         if len(keys) != len(outs):
@@ -401,7 +298,7 @@ class Store:
         self.counters.flush()
         return res
 
-    @_entry
+    @public_call
     def get(self, key) -> bytes | None:
         """The value of `key`, or None."""
         held: list[np.ndarray] = []
@@ -413,16 +310,16 @@ class Store:
         self.counters.count_get(length)
         return None if length is None else held[0].tobytes()
 
-    @_entry
+    @public_call
     def exists(self, key) -> bool:
         return self.reader.lookup(key_digest(key)) is not None
 
-    @_entry
+    @public_call
     def batch_exists(self, keys: Iterable = (), *, digests=None) -> list[bool]:
         """Per key: is a committed value present? One vectorised pass, no locks."""
         return resolve(self.att, _digest_batch(list(keys), digests), full=False).ok.tolist()
 
-    @_entry
+    @public_call
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
         """How many keys from the start are present (with exactly `length` bytes, if given).
 
@@ -436,13 +333,13 @@ class Store:
             return int(hit is not None and (length is None or hit.length == length))
         return leading_present(self.att, darr, length)
 
-    @_entry
+    @public_call
     def touch(self, digests, found=None) -> int:
         """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist.
         `found`: `resolve(digests)`'s answer when the caller has one: no second lookup, its ok keys are marked."""
         return self.reader.touch(digest_array(digests), found)
 
-    @_entry
+    @public_call
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
         d = key_digest(key) if digest is None else bytes(digest)
@@ -478,7 +375,7 @@ class Store:
         del keeps
         return res
 
-    @_entry(owns_blocks=True)
+    @public_call(owns_blocks=True)
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
                          written: list | None = None) -> list[bool]:
@@ -499,7 +396,7 @@ class Store:
         self.counters.flush()
         return out
 
-    @_entry
+    @public_call
     def pin(self, key) -> bool:
         """Keep the committed value of `key` out of eviction and slab moves; True if it is present.
 
@@ -516,7 +413,7 @@ class Store:
         self._pins.add(d)
         return True
 
-    @_entry(owns_blocks=True)
+    @public_call(owns_blocks=True)
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
         removed = self.publisher.unpublish_key(key_digest(key))
@@ -528,18 +425,18 @@ class Store:
         return True
 
     # ---------------------------------------------------------------- inspection
-    @_entry
+    @public_call
     def check(self, repair: bool = False):
         """Full consistency check (see maru_shm.checks.repair); with repair=True fix what can be fixed."""
         return check_store(self, repair=repair)
 
-    @_entry
+    @public_call
     def counts(self) -> dict:
         """stats()'s counters alone (hits, misses, puts, evictions, ...): no scan, for every step of a loop."""
         self.counters.flush()
         return pool_counters(self)
 
-    @_entry
+    @public_call
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
         self.counters.flush()

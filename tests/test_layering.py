@@ -27,7 +27,7 @@ LAYERS = [
     {"mapping"},                                # L4 the pool file and this process's mapping
     {"processes", "datapath"},                  # L5 the processes sharing a pool; the get and put paths
     {"checks"},                                 # L6 check, repair, the read-only view
-    {"store", "admin", "__init__"},             # L7 flat: the Store, administration, the package's face
+    {"store", "calls", "admin", "__init__"},    # L7 flat: the Store and its call boundary, administration, the face
     {"__main__"},                               # L8 `python -m maru_shm`: the one module that imports a client
 ]
 LAYER_OF = {name: layer for layer, names in enumerate(LAYERS) for name in names}
@@ -232,7 +232,7 @@ def test_relative_imports_are_resolved():
 
 
 # No god classes: a newcomer reads one concept at a time (the limits below).
-MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 600, 400, 90
+MAX_FILE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 450, 400, 90
 
 
 @pytest.mark.parametrize("package", ["maru_shm", "maru_sglang", "tools"])
@@ -241,7 +241,7 @@ def test_no_file_class_or_function_past_its_size_limit(package):
     for path in _package_files(package):
         source = path.read_text()
         rel = path.relative_to(ROOT)
-        if package == "maru_shm" and source.count("\n") > MAX_FILE_LINES:
+        if source.count("\n") > MAX_FILE_LINES:
             too_long.append(f"{rel}: {source.count(chr(10))} lines")
         for node in ast.walk(ast.parse(source, str(path))):
             length = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1

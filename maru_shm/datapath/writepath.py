@@ -5,7 +5,7 @@ batch (putbatch.VectorPut); a few keys take the scalar form (putbatch.ScalarPut)
 gives the order of stores and what a death after each leaves behind.
 
 Every block the call makes its own is in its ledger first (allocator/kept.py): if the call raises, its
-public entry settles them (store.py `_entry`); a death leaves them to a reaper.
+public entry settles them (calls.py `public_call`); a death leaves them to a reaper.
 """
 
 from __future__ import annotations

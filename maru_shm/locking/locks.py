@@ -316,7 +316,7 @@ class LockTable:
         The sections give back their locks on every exception, except one that lands before their own
         code can run: at the first bytecode of a `__exit__` or of a release, or in check()'s `finally`
         (KeyboardInterrupt, an exception from a signal handler). The public call it ends runs this on
-        its way out (store.py `_entry`), so no lock outlives the call and the thread can take it again.
+        its way out (calls.py `public_call`), so no lock outlives the call and the thread can take it again.
         """
         if not before and self.all_held_by == threading.get_ident():
             self.all_held_by = 0

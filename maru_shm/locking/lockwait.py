@@ -18,6 +18,7 @@ from ..errors import LockTimeout
 YIELDS = 16  # sched_yield rounds before a waiter starts sleeping
 FIRST_SLEEP = 20e-6
 LONGEST_SLEEP = 1e-3
+MAX_TIMEOUT = 86400.0  # s: the longest lock wait a Store accepts
 
 
 def acquire(try_lock: Callable[[], bool], timeout: float, what, *, blocking: bool = True,
@@ -50,3 +51,14 @@ def wait_for(try_lock: Callable[[], bool], deadline: float, timeout: float, what
             raise LockTimeout(f"timed out after {timeout:.3g}s waiting for {what() if callable(what) else what}")
         time.sleep(min(delay, deadline - now))
         delay = min(delay * 2, LONGEST_SLEEP)
+
+
+def check_timeout(timeout) -> float:
+    """A lock wait limit: a positive, finite number of seconds, at most a day (NaN or inf would wait forever)."""
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
+    if not (0 < t <= MAX_TIMEOUT):  # also false for NaN
+        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
+    return t

@@ -9,6 +9,7 @@ an Attachment and nothing else of each other's state.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 from . import faultguard
@@ -17,7 +18,7 @@ from ..format.layout import HEADER_READY_END
 from ..format.geometry import Geometry
 from ..index import Index
 from ..locking.locks import LockTable
-from .poolfile import PoolFile, regrow_truncated
+from .poolfile import PoolFile, ensure_backed, regrow_truncated
 
 
 class Attachment:
@@ -42,6 +43,16 @@ class Attachment:
         st = os.fstat(pf.fd)
         self.identity = (st.st_dev, st.st_ino)  # the file mapped: what `path` must still name (lost())
         self.released = False  # release() has begun: nothing may be written through the mapping any more
+
+    def populate(self) -> None:
+        """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
+        if not self.pf.is_device:
+            ensure_backed(self.pf.fd, self.path, self.geo.file_size)
+        try:
+            self.mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+); never changes contents
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel without it (faults happen on first touch instead)
+                raise StoreError(f"cannot pre-fault {self.path}: {e.strerror}") from None
 
     # ---------------------------------------------------------------- damage
     def check_intact(self) -> None:

@@ -47,7 +47,7 @@ class Reaper:
 
     def settle(self, slot: int, blocks=None, busy=None, unindexed=frozenset()) -> None:
         """Hand the blocks `slot` still owns to the allocator: every one (a dead slot's; our own, when we
-        detach), or only those at `blocks` (what a call that an exception ended still held: Store._entry),
+        detach), or only those at `blocks` (what a call that an exception ended still held: calls.public_call),
         but for those `busy(offset)` says another holder in this process has; `unindexed` ones no index
         entry can name."""
         self.att.alloc.resolve_owned(self.owned_blocks(slot) if blocks is None else blocks, slot + 1, busy,
