@@ -20,15 +20,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = [
-    {"errors", "sizes", "crashpoints"},         # L0 flat: the public errors and sizes, the crash points
-    {"format"},                                 # L1 the file format
-    {"locking"},                                # L2 thread mutexes, OFD locks, the lock file
-    {"allocator", "index", "copying"},          # L3 the leaves: allocator/ and index/ never import each other
-    {"mapping"},                                # L4 the pool file and this process's mapping
-    {"processes", "datapath"},                  # L5 the processes sharing a pool; the get and put paths
-    {"checks"},                                 # L6 check, repair, the read-only view
-    {"store", "calls", "admin", "__init__"},    # L7 flat: the Store and its call boundary, administration, the face
-    {"__main__"},                               # L8 `python -m maru_shm`: the one module that imports a client
+    {"errors", "sizes", "crashpoints", "batching"},  # L0 flat: public errors and sizes, crash points, SMALL_BATCH
+    {"format"},                                     # L1 the file format
+    {"locking"},                                    # L2 thread mutexes, OFD locks, the lock file
+    {"allocator", "index", "copying"},              # L3 the leaves: allocator/ and index/ never import each other
+    {"mapping"},                                    # L4 the pool file and this process's mapping
+    {"processes", "datapath"},                      # L5 the processes sharing a pool; the get and put paths
+    {"checks"},                                     # L6 check, repair, the read-only view
+    {"store", "calls", "admin", "__init__"},        # L7 flat: the Store and its call boundary, administration, the face
+    {"__main__"},                                   # L8 `python -m maru_shm`: the one module that imports a client
 ]
 LAYER_OF = {name: layer for layer, names in enumerate(LAYERS) for name in names}
 # Benchmarks (tools/benchmarks/) measure internals (lock costs, raw copies) on purpose; every other client

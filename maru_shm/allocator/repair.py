@@ -116,7 +116,7 @@ class Repairer:
         bitmap = 0
         used = freed = 0
         for i in range(info.bps):
-            off = h * slabs.geo.unit_size + i * info.block
+            off = slabs.geo.block_offset(h, i, info.block)
             m = metas.meta_off(off)
             word = metas.word(m)
             if word & 3 == FREE:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .blockclock import BlockClock
-from .blockmeta import SMALL_BATCH, BlockMetas, digest_bytes
+from ..batching import SMALL_BATCH
+from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .freeruns import FreeRuns
 from .kept import KeptBlocks, spare_limit

@@ -154,7 +154,7 @@ class SlabMover:
 
     def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
         """The granules where the blocks of slab h start (their block metas)."""
-        return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
+        return self.slabs.geo.block_offset(h, np.arange(info.bps, dtype=np.int64), info.block) >> self.metas.shift
 
     def _return_units(self, h: int, info: ClassInfo) -> None:
         """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap

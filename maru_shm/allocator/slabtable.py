@@ -83,7 +83,7 @@ class SlabTable:
         h, info = self.head_of(offset)
         if h is None:
             return None
-        i, r = divmod(offset - h * self.geo.unit_size, info.block)
+        i, r = divmod(offset - self.geo.unit_offset(h), info.block)
         if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
             return None
         return h, info, i
@@ -162,7 +162,7 @@ class SlabTable:
 
     def take_free(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
         """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
-        base = h * self.geo.unit_size
+        base = self.geo.unit_offset(h)
         nfree = self.nfree(h)
         if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
             bm = self.bitmap(h)

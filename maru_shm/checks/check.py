@@ -255,7 +255,7 @@ def _check_slab(pool, h: int, info, report, unowned: list) -> int:
     bm = bytes(mm[s + SLAB_BITMAP:s + SLAB_BITMAP + BITMAP_BYTES])
     used = 0
     for i in range(info.bps):
-        off = h * g.unit_size + i * info.block
+        off = g.block_offset(h, i, info.block)
         word, d, length, owner, _, flags = META_STRUCT.unpack_from(mm, alloc.meta_off(off))
         state = word & 3
         bit = bool(bm[i >> 3] & (1 << (i & 7)))

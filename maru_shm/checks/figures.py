@@ -17,13 +17,12 @@ import time
 
 import numpy as np
 
-from ..format.layout import (CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST,
-                             ENTRY_SIZE, ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEALS_OFF, KIND_EXACT, KIND_GEOMETRIC,
-                             LIVE, LOCK_CLASSTAB, LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
-                             LOCK_RECORD, MAX_BLOCKS_PER_SLAB, META_LENGTH_OFF, META_OWNER_OFF, META_SIZE,
-                             PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, PROC_LAYOUT, RESERVED, RETIRED_OFF,
-                             SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE, SLOT_LOCK_BASE, UNIT_FREE, UNIT_HEAD,
-                             VERSION)
+from ..format.layout import (CLASS_LOCK_BASE, CLASS_STRUCT, COUNTERS, COUNTER_NAMES, ENTRY_COL_DIGEST, ENTRY_SIZE,
+                             ENTRY_WORD_OFF, FLAG_AGE, FLAG_DEVICE, HEALS_OFF, KIND_EXACT, LIVE, LOCK_CLASSTAB,
+                             LOCK_COL_DIRTY, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC, LOCK_RECORD, META_LENGTH_OFF,
+                             META_OWNER_OFF, META_SIZE, PROC_COUNTERS_OFF, PROC_ENTRY, PROC_HEAD, PROC_LAYOUT,
+                             RESERVED, RETIRED_OFF, SHARD_LOCK_BASE, SLAB_CLS, SLAB_ENTRY, SLAB_STATE, SLOT_LOCK_BASE,
+                             UNIT_FREE, UNIT_HEAD, VERSION)
 from ..format.geometry import Geometry
 from ..locking.locks import lock_name
 from .view import PoolView, as_view
@@ -76,13 +75,12 @@ class _Snapshot:
 
 
 def _read_classes(mm, g: Geometry) -> dict[int, dict]:
-    """Valid class entries by id (same validity rule as Allocator.refresh_classes)."""
+    """Class entries of a usable shape (Geometry.class_fits), by id."""
     out = {}
     for cid in range(g.class_cap):
         kind, k, block, bps, _partial, _nslabs, _used, declared_ns = CLASS_STRUCT.unpack_from(
-            mm, g.off_classes + cid * CLASS_ENTRY)
-        if (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= g.n_units and 0 < block <= k * g.unit_size
-                and 0 < bps <= MAX_BLOCKS_PER_SLAB and bps * block <= k * g.unit_size and block >= g.granule):
+            mm, g.class_entry(cid))
+        if g.class_fits(kind, k, block, bps):
             out[cid] = {"kind": kind, "k": k, "block": block, "bps": bps, "declared_ns": declared_ns}
     return out
 
@@ -125,7 +123,7 @@ def _class_rows(snap: _Snapshot) -> list[dict]:
         heads = heads[g.slab_fits(heads, info["k"])]
         if heads.size == 0:
             continue
-        offs = (heads[:, None] * g.unit_size + np.arange(info["bps"], dtype=np.int64)[None, :] * info["block"]).ravel()
+        offs = g.block_offset(heads[:, None], np.arange(info["bps"], dtype=np.int64)[None, :], info["block"]).ravel()
         starts = offs // g.granule
         st = words[starts] & np.uint64(3)
         owned = owners[starts] != 0

@@ -92,6 +92,6 @@ def block_starts(store) -> np.ndarray:
         info = alloc.classes[int(alloc.clsfield[h])] if int(alloc.clsfield[h]) < len(alloc.classes) else None
         if info is None or not g.slab_fits(h, info.k):
             continue
-        offs = h * g.unit_size + np.arange(info.bps, dtype=np.int64) * info.block
+        offs = g.block_offset(h, np.arange(info.bps, dtype=np.int64), info.block)
         starts[offs // g.granule] = True
     return starts

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..allocator import SMALL_BATCH
+from ..batching import SMALL_BATCH
 from ..errors import ValueTooLargeError
 from ..format.layout import (FLAG_PINNED, LIVE, META_FLAGS_OFF, META_LENGTH_OFF, META_OWNER_OFF, META_STRUCT,
                              SHARD_LOCK_BASE, U16, U32, U64, length_sound)

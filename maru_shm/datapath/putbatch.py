@@ -1,6 +1,6 @@
 """The blocks of one put batch between reservation and publication, in a scalar and a vector form.
 
-A numpy call costs a few microseconds whatever its length: below SMALL_BATCH keys plain Python per key is
+A numpy call costs a few microseconds whatever its length: below SMALL_BATCH keys (batching.py) plain Python per key is
 cheaper (ScalarPut), above it one numpy operation over the batch is (VectorPut, SGLang's 128-page
 batches). Both offer the same steps, in this order, and the write path and the publisher drive either
 without knowing which:
@@ -24,7 +24,6 @@ import numpy as np
 from .. import crashpoints as _cp
 from ..errors import StoreError
 from ..format.layout import LIVE, META_OWNER_OFF, U16, U64, next_word, next_words, store_u64
-from .validity import granule_shift
 
 
 class _PutBatch:
@@ -123,7 +122,7 @@ class VectorPut(_PutBatch):
         att = self.att
         offs = np.array(self.placed_off, dtype=np.int64)
         self._out_of_bounds(int((offs + self.pieces.lengths[self.placed_i]).max()))
-        self.gidx = offs >> granule_shift(att.geo)
+        self.gidx = offs >> att.geo.granule_shift
         reserved = att.alloc.meta_words[self.gidx]
         # Everything the commit and the index insert need that the copy does not change is computed now,
         # while the caches still hold it: the batch's copy is larger than they are.

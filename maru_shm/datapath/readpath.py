@@ -14,11 +14,11 @@ import functools
 
 import numpy as np
 
-from ..allocator import SMALL_BATCH
+from ..batching import SMALL_BATCH
 from ..format.layout import SLAB_REF, U64
 from ..copying.pieces import Pieces, PieceTable, piece_lengths
 from .resolve import Resolved, resolve
-from .validity import Hit, block_start_problem, granule_shift, lookup
+from .validity import Hit, block_start_problem, lookup
 
 RETRIES = 3  # a concurrent overwrite may move a key between lookup and copy: look again, briefly
 
@@ -139,7 +139,7 @@ class ReadPath:
             offs = res.offsets[rows]
             pool_at, host_at, nb = table.into(rows, att.data + offs)  # the pieces' places in the pool
             self.engine.run(host_at, pool_at, nb, table.period)
-            gidx = offs >> granule_shift(att.geo)
+            gidx = offs >> att.geo.granule_shift
             still = att.alloc.meta_words[gidx] == res.words[rows]
             ok[rows] = still
             self._mark_used_many(offs[still], gidx[still])
@@ -150,7 +150,7 @@ class ReadPath:
         `found`: their `resolve` answer, when the caller has one (no second lookup; its ok keys are marked)."""
         r = resolve(self.att, darr, full=False) if found is None else found
         offs = r.offsets[r.ok].astype(np.int64)
-        self._mark_used_many(offs, offs >> granule_shift(self.att.geo))
+        self._mark_used_many(offs, offs >> self.att.geo.granule_shift)
         return len(offs)
 
     def _mark_used_many(self, offs: np.ndarray, gidx: np.ndarray) -> None:

@@ -118,7 +118,7 @@ def check_entries(meta_q: np.ndarray, geo, e: np.ndarray, h0: np.ndarray, h1: np
     words = e[:, _E_WORD]
     inside = e[:, _E_OFFSET] < np.uint64(geo.data_bytes)
     offs = (e[:, _E_OFFSET] * inside).astype(np.intp)  # out-of-range offsets read meta 0 and fail below
-    m = meta_q[offs >> granule_shift(geo)]
+    m = meta_q[offs >> geo.granule_shift]
     m3 = m[:, _M_TAIL]
     stored = m3 & _LENGTH
     lengths = stored.astype(np.intp)
@@ -136,7 +136,7 @@ def leading_mismatch(meta_q: np.ndarray, geo, e: np.ndarray, halves: np.ndarray,
     """
     # an offset outside the data area reads a clipped meta, and fails its own check below
     e3 = e[:, _E_OFFSET]
-    m = meta_q.take((e3 >> np.uint64(granule_shift(geo))).view(np.int64), axis=0, mode="clip")
+    m = meta_q.take((e3 >> np.uint64(geo.granule_shift)).view(np.int64), axis=0, mode="clip")
     m0, m3 = m[:, _M_WORD], m[:, _M_TAIL]
     d = m[:, _M_D0:_M_D1 + 1] ^ halves
     bad = (m0 ^ e[:, _E_WORD]) | d[:, 0] | d[:, 1] | ((m0 & _STATE) ^ _LIVE)
@@ -159,11 +159,7 @@ def block_starts_ok(alloc, geo, offs: np.ndarray, lengths: np.ndarray) -> np.nda
     cid = np.minimum(alloc.clsfield[head].astype(np.int64), geo.class_cap - 1)
     block, per_slab = alloc.class_arrays()
     blk = block[cid]
-    rel = offs - head * geo.unit_size
+    rel = offs - geo.unit_offset(head)
     safe_blk = np.maximum(blk, 1)
     return ((st == UNIT_HEAD) | (st == UNIT_TAIL)) & (alloc.states[head] == UNIT_HEAD) & (blk > 0) \
         & (rel >= 0) & (rel % safe_blk == 0) & (rel // safe_blk < per_slab[cid]) & (lengths <= blk)
-
-
-def granule_shift(geo) -> int:
-    return geo.granule.bit_length() - 1  # granules are powers of two (Geometry.plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..allocator import SMALL_BATCH
+from ..batching import SMALL_BATCH
 from ..errors import StoreError
 from ..index import digest_array
 from ..copying.pieces import PieceTable, piece_lengths

@@ -14,11 +14,11 @@ import zlib
 
 from ..errors import CorruptPoolError, NotAPoolError, TruncatedPoolError, VersionError
 from .layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, DEFAULT_ENTRY_BYTES, DEFAULT_UNIT, ENTRY_SIZE,
-                     FLAG_RETIRED, HEADER_READY_END, LOCK_IDS, LOCK_RECORD, MAGIC, META_SIZE, MIN_GRANULE, PROC_ENTRY,
-                     RETIRED_FIXED, RETIRED_PER_GRANULE, SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, STATE_OFF,
-                     STATE_READY, SUPERBLOCK, SUPERBLOCK_FIELDS, SUPERBLOCK_SIZE, U32, VERSION, granule_for,
-                     index_slots_for, shard_limit)
-from .sizeclasses import MAX_BLOCKS_PER_SLAB, geometric_sizes
+                     FLAG_RETIRED, HEADER_READY_END, KIND_EXACT, LOCK_IDS, LOCK_RECORD, MAGIC, META_SIZE, MIN_GRANULE,
+                     PROC_ENTRY, RETIRED_FIXED, RETIRED_PER_GRANULE, SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY,
+                     STATE_OFF, STATE_READY, SUPERBLOCK, SUPERBLOCK_FIELDS, SUPERBLOCK_SIZE, U32, VERSION,
+                     granule_for, index_slots_for, shard_limit)
+from .sizeclasses import KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB, geometric_sizes
 
 
 def _align(n: int, a: int) -> int:
@@ -84,6 +84,19 @@ class Geometry:
     def index_slots(self) -> int:
         return self.index_shards * self.shard_slots
 
+    @property
+    def granule_shift(self) -> int:
+        """log2 of the granule (a power of two, Geometry.plan): a data offset >> it is its granule's index."""
+        return self.granule.bit_length() - 1
+
+    def unit_offset(self, unit):
+        """Data offset where unit `unit` (an int or an array) starts: a slab's first block, when it is a HEAD."""
+        return unit * self.unit_size
+
+    def block_offset(self, head, i, block):
+        """Data offset of block `i` of the slab at unit `head`, whose blocks are `block` bytes (ints or arrays)."""
+        return head * self.unit_size + i * block
+
     def meta_of(self, offset: int) -> int:
         """File offset of the block meta of the granule holding data offset `offset`."""
         return self.off_blockmeta + (offset // self.granule) * META_SIZE
@@ -104,6 +117,12 @@ class Geometry:
         the block metas.
         """
         return head + k <= self.n_units
+
+    def class_fits(self, kind: int, k: int, block: int, bps: int) -> bool:
+        """Is a class entry of this shape usable in this pool (section 4)? One read from the file that is not is
+        damage: no reader allocates from it or counts its slabs."""
+        return (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= self.n_units and 0 < block <= k * self.unit_size
+                and 0 < bps <= MAX_BLOCKS_PER_SLAB and bps * block <= k * self.unit_size and block >= self.granule)
 
     def class_entry(self, cid: int) -> int:
         """File offset of class table entry `cid`."""

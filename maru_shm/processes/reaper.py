@@ -69,9 +69,9 @@ class Reaper:
             h, info = alloc.head_of(g * geo.granule)
             if info is None:
                 continue
-            rel = g * geo.granule - h * geo.unit_size
+            rel = g * geo.granule - geo.unit_offset(h)
             i = -(-rel // info.block)
-            off = h * geo.unit_size + i * info.block
+            off = geo.block_offset(h, i, info.block)
             if off // geo.granule == g:
                 blocks.append(off)
         return blocks
