@@ -46,7 +46,7 @@ def public_call(method=None, *, owns_blocks: bool = False):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        locks, fence, token = self.att.locks, self._fence, object()
+        locks, fence, token = self._att.locks, self._fence, object()
         before = locks.held_now()
         admitted = False
         try:
@@ -55,10 +55,10 @@ def public_call(method=None, *, owns_blocks: bool = False):
             admitted = True
             if owns_blocks:
                 self._kept.begin()
-            self.att.check_intact()
+            self._att.check_intact()
             result = method(self, *args, **kwargs)
-            if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
-                self.att.check_intact()
+            if self._att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
+                self._att.check_intact()
             return result
         except BaseException:
             release_stranded_guards()

@@ -116,19 +116,19 @@ class Store:
         self._forked = False
         self._pins: set[bytes] = set()  # digests of the keys this Store pinned (PIN_LIMIT)
         self._fence = CallFence()
-        self.att = att = Attachment(pf, timeout)
-        self.procs = ProcessTable(att)
-        self.counters = Counters(self.procs, att.locks)
-        self.publisher = Publisher(att, self.procs, self.counters)
-        att.alloc = Allocator(AllocatorServices(att, self.procs, self.counters, self.publisher))
+        self._att = att = Attachment(pf, timeout)
+        self._procs = ProcessTable(att)
+        self._counters = Counters(self._procs, att.locks)
+        self._publisher = Publisher(att, self._procs, self._counters)
+        att.alloc = Allocator(AllocatorServices(att, self._procs, self._counters, self._publisher))
         self._kept = att.alloc.kept_blocks  # who in this process holds each block it owns
-        self.reaper = Reaper(att, self.procs, self.counters)
-        self.engine = CopyEngine(copy_threads)
-        self.reader = ReadPath(att, self.engine, self.counters)
-        self.writer = WritePath(att, self.engine, self.procs, self.counters, self.publisher, self.reaper.reap_dead)
+        self._reaper = Reaper(att, self._procs, self._counters)
+        self._engine = CopyEngine(copy_threads)
+        self._reader = ReadPath(att, self._engine, self._counters)
+        self._writer = WritePath(att, self._engine, self._procs, self._counters, self._publisher, self._reaper.reap_dead)
         try:
-            self.procs.attach(self.reaper.reap_dead)
-            self.reaper.reap_dead()
+            self._procs.attach(self._reaper.reap_dead)
+            self._reaper.reap_dead()
         except BaseException:
             # Leave nothing behind: the slot, and the buffer exports that would make closing the map fail
             # (BufferError) and hide the real error. (The caller closes the PoolFile.)
@@ -140,17 +140,16 @@ class Store:
         OPEN_STORES.add(self)
 
     # the attached pool, for the store's own modules and tools (read-only use)
-    path = property(lambda self: self.att.path)
-    mm = property(lambda self: self.att.mm)
-    geo = property(lambda self: self.att.geo)
-    locks = property(lambda self: self.att.locks)
-    index = property(lambda self: self.att.index)
-    alloc = property(lambda self: self.att.alloc)
-    policy = property(lambda self: self.att.alloc.policy)  # the eviction decisions and their settings
-    slot = property(lambda self: self.procs.slot)
+    path = property(lambda self: self._att.path)
+    mm = property(lambda self: self._att.mm)
+    geo = property(lambda self: self._att.geo)
+    locks = property(lambda self: self._att.locks)
+    index = property(lambda self: self._att.index)
+    alloc = property(lambda self: self._att.alloc)
+    policy = property(lambda self: self._att.alloc.policy)  # the eviction decisions and their settings
+    slot = property(lambda self: self._procs.slot)
     timeout = property(lambda self: self.locks.timeout)
     max_value = property(lambda self: self.geo.max_value)
-    data_address = property(lambda self: self.att.data)  # the data area's address here (benchmarks' raw copies)
 
     def __enter__(self) -> "Store":
         return self
@@ -164,7 +163,7 @@ class Store:
     @public_call
     def populate(self) -> None:
         """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
-        self.att.populate()
+        self._att.populate()
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
@@ -184,49 +183,45 @@ class Store:
     def _close(self) -> None:
         OPEN_STORES.discard(self)
         if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
-            self.att.release()
+            self._att.release()
             self._closed = True
             return
         if not self._fence.shut_and_wait(CLOSE_WAIT):
             self._closed = True
             return
         try:
-            if self.att.released:
+            if self._att.released:
                 pass  # a close cut short once its release began: a slot still claimed is left to the reaper
-            elif self.att.damage is None:
+            elif self._att.damage is None:
                 self._detach()
             else:  # never write into a damaged mapping: give up the slot's lock only
-                self.procs.drop_slot_lock()
+                self._procs.drop_slot_lock()
         finally:
-            self.engine.close()
-            self.att.release()
+            self._engine.close()
+            self._att.release()
         self._closed = True
 
     def _detach(self) -> None:
         """Publish counters, settle the blocks our slot still owns (kept ones, any a failed settling left),
         retire the slot."""
-        if self.procs.slot >= 0:
-            self.counters.flush()
-            self.procs.detach(self.reaper.settle)
+        if self._procs.slot >= 0:
+            self._counters.flush()
+            self._procs.detach(self._reaper.settle)
 
     def lost(self) -> StoreError | None:
         """Why this store no longer serves the pool at its path, or None (Attachment.lost); one stat, no lock."""
-        return self.att.lost()
+        return self._att.lost()
 
     # ---------------------------------------------------------------- processes and counters
     @public_call
     def count_heal(self) -> None:
         """Count `heals` (FORMAT.md section 2): this process reopened this pool after losing its previous one."""
-        self.procs.count_heal()
+        self._procs.count_heal()
 
     @public_call
     def reap_dead(self) -> int:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
-        return self.reaper.reap_dead()
-
-    def slot_alive(self, owner_plus1: int) -> bool:
-        """Is the process whose owner id (slot + 1) this is alive? (Its SLOT lock is held while it lives.)"""
-        return self.procs.alive(owner_plus1)
+        return self._reaper.reap_dead()
 
     # ---------------------------------------------------------------- sizes
     @public_call
@@ -253,8 +248,8 @@ class Store:
         darr = _digest_batch(keys, digests)
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} destinations for {len(darr)} keys")
-        out = self.reader.get_batch(darr, pieces_list)
-        self.counters.flush()
+        out = self._reader.get_batch(darr, pieces_list)
+        self._counters.flush()
         return out
 
     @public_call
@@ -263,7 +258,7 @@ class Store:
 
         full=False skips the block-start checks a copy needs: enough to ask "present, and how long?".
         """
-        return resolve(self.att, digest_array(digests), full=full)
+        return resolve(self._att, digest_array(digests), full=full)
 
     @public_call
     def maybe_present(self, digests) -> np.ndarray:
@@ -278,9 +273,9 @@ class Store:
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
         view = writable_bytes(out)
-        length = self.reader.get_one_into(key_digest(key), view)
+        length = self._reader.get_one_into(key_digest(key), view)
         view.release()
-        self.counters.count_get(length)
+        self._counters.count_get(length)
         return length
 
     @public_call
@@ -291,11 +286,11 @@ class Store:
         res: list[int | None] = []
         for key, out in zip(keys, outs):
             view = writable_bytes(out)
-            res.append(self.reader.get_one_into(key_digest(key), view))
+            res.append(self._reader.get_one_into(key_digest(key), view))
             view.release()
         hits = len(res) - res.count(None)
-        self.counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
-        self.counters.flush()
+        self._counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
+        self._counters.flush()
         return res
 
     @public_call
@@ -306,18 +301,18 @@ class Store:
         def destination(n: int):
             held[:] = [np.empty(n, dtype=np.uint8)]
             return [(held[0].ctypes.data, n)]
-        length = self.reader.get_one(key_digest(key), destination)
-        self.counters.count_get(length)
+        length = self._reader.get_one(key_digest(key), destination)
+        self._counters.count_get(length)
         return None if length is None else held[0].tobytes()
 
     @public_call
     def exists(self, key) -> bool:
-        return self.reader.lookup(key_digest(key)) is not None
+        return self._reader.lookup(key_digest(key)) is not None
 
     @public_call
     def batch_exists(self, keys: Iterable = (), *, digests=None) -> list[bool]:
         """Per key: is a committed value present? One vectorised pass, no locks."""
-        return resolve(self.att, _digest_batch(list(keys), digests), full=False).ok.tolist()
+        return resolve(self._att, _digest_batch(list(keys), digests), full=False).ok.tolist()
 
     @public_call
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
@@ -329,15 +324,15 @@ class Store:
         """
         darr = _digest_batch(list(keys), digests)
         if len(darr) == 1:
-            hit = self.reader.lookup(darr[0].tobytes())
+            hit = self._reader.lookup(darr[0].tobytes())
             return int(hit is not None and (length is None or hit.length == length))
-        return leading_present(self.att, darr, length)
+        return leading_present(self._att, darr, length)
 
     @public_call
     def touch(self, digests, found=None) -> int:
         """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist.
         `found`: `resolve(digests)`'s answer when the caller has one: no second lookup, its ok keys are marked."""
-        return self.reader.touch(digest_array(digests), found)
+        return self._reader.touch(digest_array(digests), found)
 
     @public_call
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
@@ -345,7 +340,7 @@ class Store:
         d = key_digest(key) if digest is None else bytes(digest)
         if len(d) != 16:
             raise ValueError(f"a digest is 16 bytes, got {len(d)}")
-        hit = self.reader.lookup(d)
+        hit = self._reader.lookup(d)
         return None if hit is None else hit.length
 
     # ---------------------------------------------------------------- write path
@@ -392,8 +387,8 @@ class Store:
         darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
-        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, written)
-        self.counters.flush()
+        out = self._writer.put_batch(darr, pieces_list, skip_existing, assume_absent, written)
+        self._counters.flush()
         return out
 
     @public_call
@@ -408,7 +403,7 @@ class Store:
         if d not in self._pins and len(self._pins) >= PIN_LIMIT:
             raise StoreError(f"this Store has pinned {PIN_LIMIT} keys already (the limit: pins are for a "
                              "few records a client cannot lose)")
-        if not self.publisher.pin(d, key):
+        if not self._publisher.pin(d, key):
             return False
         self._pins.add(d)
         return True
@@ -416,7 +411,7 @@ class Store:
     @public_call(owns_blocks=True)
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
-        removed = self.publisher.unpublish_key(key_digest(key))
+        removed = self._publisher.unpublish_key(key_digest(key))
         if removed is None:
             return False
         if _cp.ARMED is not None:
@@ -433,13 +428,13 @@ class Store:
     @public_call
     def counts(self) -> dict:
         """stats()'s counters alone (hits, misses, puts, evictions, ...): no scan, for every step of a loop."""
-        self.counters.flush()
+        self._counters.flush()
         return pool_counters(self)
 
     @public_call
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
-        self.counters.flush()
+        self._counters.flush()
         return pool_stats(self)
 
 

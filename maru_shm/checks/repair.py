@@ -75,7 +75,7 @@ def check_store(store, repair: bool = False, progress=None) -> CheckReport:
             locks.release(lock_id, clean=done and (repair or lock_id not in dirty))
     leaked = untracked_blocks(store)  # ours, held by nothing in this process: settled as a dead slot's, once
     if leaked:  # the repair made their classes usable again
-        store.reaper.settle(store.slot, leaked, store.alloc.kept_blocks.held_elsewhere)
+        store._reaper.settle(store.slot, leaked, store.alloc.kept_blocks.held_elsewhere)
         report.repaired += len(leaked)
     _report_untracked(store, report)
     return report
@@ -90,7 +90,7 @@ def untracked_blocks(store) -> list[int]:
         return []
 
     def owned():  # a FREE block may still name its last owner (a free cut short): it is nobody's
-        return [off for off in store.reaper.owned_blocks(slot) if metas.word(metas.meta_off(off)) & 3 != FREE]
+        return [off for off in store._reaper.owned_blocks(slot) if metas.word(metas.meta_off(off)) & 3 != FREE]
     return store.alloc.kept_blocks.untracked(owned)
 
 
@@ -159,7 +159,7 @@ def _repair_all(store, classes) -> int:
         del words
     for s in range(g.index_shards):
         kept, dropped = store.index.rebuild(s, lambda d, w, o: _readable(store, d, w, o),
-                                            salvage=store.publisher.entry_salvage)
+                                            salvage=store._publisher.entry_salvage)
         fixes += dropped
     for c in classes:
         fixes += alloc.repair_class(c)

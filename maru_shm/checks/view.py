@@ -52,7 +52,7 @@ class PoolView:
     @classmethod
     def of(cls, store) -> "PoolView":
         return cls(store.mm, store.geo, store.path, store.locks.fd, self_slot=store.slot,
-                   is_device=bool(store.geo.flags & FLAG_DEVICE), faults=store.att.faults)
+                   is_device=bool(store.geo.flags & FLAG_DEVICE), faults=store._att.faults)
 
     def check_intact(self) -> None:
         """Raise PoolDamagedError if a page of the mapping could not be read since it was mapped: what was

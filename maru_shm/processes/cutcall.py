@@ -22,9 +22,9 @@ def settle_cut_call(store) -> None:
     if not blocks:
         return
     try:
-        if store.att.damage is not None:
-            raise store.att.damage  # never write into a damaged mapping
-        store.reaper.settle(store.procs.slot, blocks, kept.held_elsewhere, unindexed)
+        if store._att.damage is not None:
+            raise store._att.damage  # never write into a damaged mapping
+        store._reaper.settle(store._procs.slot, blocks, kept.held_elsewhere, unindexed)
     except Exception:
         kept.to_strays(blocks)
     except BaseException:  # cut short itself (a second KeyboardInterrupt): what is left stays held
@@ -36,7 +36,7 @@ def repair_left_dirty(store) -> None:
     """Be the next holder of every lock whose record this process marked and nobody holds now, in lock order:
     its domain is repaired and its record cleared. A lock another holder has (another thread of ours inside
     its section, another process) is left to that holder; a repair that fails leaves the mark for the next."""
-    if store.att.damage is not None:
+    if store._att.damage is not None:
         return  # never write into a damaged mapping
     locks = store.locks
     for lock_id in sorted(locks.marked_by_this_process(), key=_lock_order):
@@ -64,7 +64,7 @@ def _lock_order(lock_id: int) -> tuple[int, int]:
 def _repair(store, lock_id: int) -> None:
     """A lock's domain repair (FORMAT.md section 9); INIT, PROC and CLASSTAB have none."""
     if lock_id >= SHARD_LOCK_BASE:
-        store.publisher.repair_shard_lock(lock_id)
+        store._publisher.repair_shard_lock(lock_id)
     elif lock_id >= CLASS_LOCK_BASE:
         store.alloc.repair_class(lock_id - CLASS_LOCK_BASE)
     elif lock_id == LOCK_POOL:

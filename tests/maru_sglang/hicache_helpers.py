@@ -461,7 +461,7 @@ def delete_digest(store, digest) -> bool:
 
     d = bytes(memoryview(digest).cast("B")) if not isinstance(digest, bytes) else digest
     s = store.index.shard_of(d)
-    with store.locks.hold(SHARD_LOCK_BASE + s, repair=store.publisher.shard_repair(s)):
+    with store.locks.hold(SHARD_LOCK_BASE + s, repair=store._publisher.shard_repair(s)):
         removed = store.index.remove(s, d)
     if removed is None:
         return False

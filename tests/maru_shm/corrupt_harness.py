@@ -168,7 +168,7 @@ def template() -> Template:
             assert rep.ok, rep.problems
             blocks = {}
             for k in values:
-                found = s.reader.lookup(key_digest(k))
+                found = s._reader.lookup(key_digest(k))
                 blocks[k] = (found[0], found[2])
         with open(path, "rb") as f:
             image = f.read()

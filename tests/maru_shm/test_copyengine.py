@@ -202,7 +202,7 @@ def test_the_engine_counts_its_copying_time():
 def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_store, threads):
     """Pages through the vector paths, and single values large enough for the engine on the scalar paths."""
     store = open_store("96M", copy_threads=threads)
-    _always_free(store.engine)
+    _always_free(store._engine)
     rng = np.random.default_rng(threads)
     pages = rng.integers(0, 256, (64, 2, 32 * KiB), dtype=np.uint8)
     pieces = np.array([[[int(p[0].ctypes.data), 32 * KiB], [int(p[1].ctypes.data), 32 * KiB]] for p in pages])
@@ -219,7 +219,7 @@ def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_stor
     assert store.get_pieces("big", [(got.ctypes.data + 4096, len(big))])
     assert np.array_equal(got[4096:-4096], big) and not got[:4096].any() and not got[-4096:].any()
     assert store.batch_get_pieces(["big"], [[(got.ctypes.data + 4096, len(big))]]) == [True]
-    assert (store.engine.batches_threaded > 0) == (threads > 1)
+    assert (store._engine.batches_threaded > 0) == (threads > 1)
 
 
 # ---------------------------------------------------------------- the copy plan (copyplan.py)

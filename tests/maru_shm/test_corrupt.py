@@ -308,7 +308,7 @@ def _slab_off(store, u):
 
 
 def _block_of(store, key):
-    return store.reader.lookup(key_digest(key))[0]
+    return store._reader.lookup(key_digest(key))[0]
 
 
 @pytest.mark.parametrize("size", ["1M", "4M"])

@@ -235,7 +235,7 @@ def test_close_settles_blocks_it_still_owns(open_store, pool_path, make_value):
     # the slot is reused by the next process: nothing may look owned by it
     again = open_store(path=pool_path, create=False)
     assert again.slot == 1
-    assert again.reaper.owned_blocks(again.slot) == []
+    assert again._reaper.owned_blocks(again.slot) == []
 
 
 # ---------------------------------------------------------------- dirty records and repair
@@ -698,8 +698,8 @@ def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open
         raise KeyboardInterrupt("inside the repair")
     monkeypatch.setattr(check_mod, "_repair_all", interrupted)
     repaired = []
-    real = s.publisher.repair_shard_lock
-    monkeypatch.setattr(s.publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
+    real = s._publisher.repair_shard_lock
+    monkeypatch.setattr(s._publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
     with pytest.raises(KeyboardInterrupt):
         s.check(repair=True)
     assert _a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()

@@ -439,7 +439,7 @@ def _die_at_every_crash_point(path, ready_fd):
     def reserve(key):
         [off] = reserve_blocks(s, info, [key], 9000)
         v = make_value(key, 1, 9000)
-        ctypes.memmove(s.data_address + off, v, len(v))
+        ctypes.memmove(s._att.data + off, v, len(v))
         return off
 
     def commit(off):
@@ -481,7 +481,7 @@ def test_every_crash_point_is_recovered(pool_path, children):
         assert s.get("bystander") == make_value("bystander", 1, 9000)  # nothing else lost
         for k in ("reserved", "committed", "orphan"):
             assert s.get(k) is None
-        assert s.reaper.owned_blocks(0) == [] and all(s.reaper.owned_blocks(p) == [] for p in range(4))
+        assert s._reaper.owned_blocks(0) == [] and all(s._reaper.owned_blocks(p) == [] for p in range(4))
         problems = s.check().problems  # the orphan is left to repair (or slab eviction)
         assert len(problems) == 1 and "orphan" in problems[0], problems
         assert s.check(repair=True).ok
@@ -537,7 +537,7 @@ def _slow_backward_shift(path, da, hole, ready_fd, class_lock, fake_holder):
     sh = s.index.shard_of(da)
     s.locks.acquire(SHARD_LOCK_BASE + sh)
     word, off = s.index.find(da)
-    s.publisher.claim_for_free(off, word)
+    s._publisher.claim_for_free(off, word)
     e = s.index.entry_off(sh, hole)
     store_u64(s.mm, e + 16, 0)  # first store of the shift: a lock-free probe for the next key stops here
     os.write(ready_fd, b"1")

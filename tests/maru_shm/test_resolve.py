@@ -43,7 +43,7 @@ def test_batch_lookup_matches_the_scalar_probe_in_a_crowded_index(pool_path, mak
         assert res.ok[:len(keys)].all() and not res.ok[len(keys):].any()
         assert (res.lengths[:len(keys)] == 2000).all()
         for k, off in zip(keys, res.offsets[:len(keys)].tolist()):
-            assert s.reader.lookup(key_digest(k))[0] == off
+            assert s._reader.lookup(key_digest(k))[0] == off
         got = [bytearray(2000) for _ in range(len(keys))]
         buf = [np.frombuffer(g, dtype=np.uint8) for g in got]
         assert all(s.batch_get_pieces(keys, [[(b.ctypes.data, 2000)] for b in buf]))

@@ -138,7 +138,7 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
         from maru_shm.copying import copyengine
         path = sys.argv[1]
         s = Store.open(path, "128M", create=True, copy_threads=2)
-        s.engine.cores.free = lambda: 2  # however busy the machine: the workers copy
+        s._engine.cores.free = lambda: 2  # however busy the machine: the workers copy
         copyengine.BACKOFF = 0  # every batch, even after workers that were slow to help
         page = 512 << 10  # at or above MIN_THREADED_PIECE: threaded whatever the blocks' layout
         src = np.random.default_rng(1).integers(0, 256, 16 * page, dtype=np.uint8)
@@ -156,7 +156,7 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
                 n += 1
         except PoolDamagedError:
             outcome = "damaged"
-        print("outcome", outcome, "batches", n, "threaded", s.engine.batches_threaded)
+        print("outcome", outcome, "batches", n, "threaded", s._engine.batches_threaded)
         s.close()
     """, pool_path)
     assert "outcome damaged" in out, out

@@ -451,7 +451,7 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
-    old_off, old_word, _, _ = s.reader.lookup(key_digest("a"))
+    old_off, old_word, _, _ = s._reader.lookup(key_digest("a"))
     spares = s.alloc.kept[info.cid][:]  # the first put's spares (kept.spare_limit), RESERVED
     assert len(spares) == spare_limit(info)
     assert s.put("a", make_value("a", 2, 20_000))  # takes a spare; the old block joins the list last
@@ -464,7 +464,7 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
         t0 = time.monotonic()
         assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
         assert time.monotonic() - t0 < 1.0
-        assert s.reader.lookup(key_digest("b"))[0] == old_off
+        assert s._reader.lookup(key_digest("b"))[0] == old_off
         assert s.alloc.kept[info.cid] == spares[:-1]
     assert s.get("a") == make_value("a", 2, 20_000) and s.get("b") == make_value("b", 1, 20_000)
     s.put("spare-used", make_value("c", 1, 20_000))
@@ -584,7 +584,7 @@ def _overwrite_claims(s, info, d, off, word) -> None:
     from maru_shm.format.layout import SHARD_LOCK_BASE
     sh = s.index.shard_of(d)
     with s.locks.hold(SHARD_LOCK_BASE + sh):
-        s.publisher.claim_for_free(off, word)
+        s._publisher.claim_for_free(off, word)
         s.index.remove(sh, d)
     s.alloc.kept.setdefault(info.cid, []).append((off, word))
 
@@ -634,7 +634,7 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     assert s.stats()["held_blocks"] == 1 and s.stats()["slab_moves"] == 0
     assert s.check().ok
     assert s.put("new", make_value("new", 1, size))
-    assert s.reader.lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
+    assert s._reader.lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
     assert s.check().ok
 
 
@@ -687,8 +687,8 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
     assert s.check().ok
     assert s.put("c", make_value("c", 1, 20_000))
-    assert s.reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
-    assert s.put("e", make_value("e", 1, 20_000)) and s.reader.lookup(key_digest("e"))[0] != off
+    assert s._reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
+    assert s.put("e", make_value("e", 1, 20_000)) and s._reader.lookup(key_digest("e"))[0] != off
     assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
 
 
@@ -719,8 +719,8 @@ def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
     s.alloc.free_kept()
-    dead = s.procs.owner + 5  # a slot no process holds: its owner is dead
-    assert not s.slot_alive(dead)
+    dead = s._procs.owner + 5  # a slot no process holds: its owner is dead
+    assert not s._procs.alive(dead)
     real = s.alloc.host.indexed_many
     wrapper, off, word = _claim_and_reuse_before(s, info, "a", real)
     U16.pack_into(s.mm, s.alloc.meta_off(off) + META_OWNER_OFF, dead)  # it died after publishing, before disowning
