@@ -223,6 +223,11 @@ class Store:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
         return self._reaper.reap_dead()
 
+    def slot_alive(self, owner_plus1: int) -> bool:
+        """Is the process whose owner id (slot + 1) this is alive? (Its SLOT lock is held while it lives.)
+        The repair hands the store to the checks as their pool (checks/check.py check_domains), which ask it."""
+        return self._procs.alive(owner_plus1)
+
     # ---------------------------------------------------------------- sizes
     @public_call
     def declare_size(self, nbytes: int) -> int:

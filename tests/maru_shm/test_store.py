@@ -460,13 +460,13 @@ def test_values_of_the_size_a_pool_is_created_for_fill_its_data_area_before_its_
 
 # The Store's face: the calls SGLang's backend, the command line and the benchmarks make, and read-only
 # views of the attached pool (its geometry, and for the store's own modules and the tests the mapping, lock
-# table, index and allocator). Its parts (`_att`, `_procs`, `_reader`, ...) are internal.
+# table, index and allocator, and slot_alive: what the checks ask of the pool they check). Its parts (`_att`, `_procs`, `_reader`, ...) are internal.
 STORE_FACE = {
     "open", "close", "populate", "lost", "count_heal", "reap_dead", "declare_size",
     "get", "get_into", "get_pieces", "batch_get_into", "batch_get_pieces", "exists", "batch_exists",
     "leading_hits", "length_of", "maybe_present", "resolve", "touch",
     "put", "put_pieces", "batch_put", "batch_put_pieces", "delete", "pin",
-    "check", "counts", "stats",
+    "check", "counts", "stats", "slot_alive",
     "path", "created", "slot", "timeout", "max_value", "geo", "policy", "mm", "locks", "index", "alloc",
 }
 
