@@ -406,7 +406,7 @@ def test_slab_and_class_fields_check_did_not_verify(pool_path, field):
         elif field == "nblocks":
             _u32(s, _slab_off(s, partial) + 20, 0)
         else:
-            empty = next(c for c in range(s.geo.n_geo_classes) if not s.alloc.class_slabs(c))
+            empty = next(c for c in range(s.geo.n_geo_classes) if not s.alloc.slabs.class_slabs(c))
             _u32(s, s.geo.off_classes + empty * CLASS_ENTRY + 24, 1)
         assert not s.check().ok
         s.check(repair=True)

@@ -116,7 +116,7 @@ def leaked_blocks(s: Store) -> list[str]:
     """Blocks that are not FREE but are not a published, unowned LIVE value (nothing is in flight), other
     than the blocks `s` itself keeps for its next puts (kept.py: spares and old blocks, owned by `s`)."""
     a, g = s.alloc, s.geo
-    ours = {off for items in a.kept.values() for off, _ in items}
+    ours = {off for items in a.kept_blocks.lists.values() for off, _ in items}
     out = []
     for h in [int(u) for u in (a.states == UNIT_HEAD).nonzero()[0]]:
         info = a.classes[int(a.clsfield[h])]
@@ -402,7 +402,7 @@ def full_pool(pool_path: str) -> dict:
     with Store.open(pool_path, "2M", create=True) as s:
         n = s.geo.n_units * (s.geo.unit_size // BIG)
         expected = seed(s, n, BIG, tag="big")
-        assert s.alloc.find_free_run(1) is None and s.stats()["evictions"] == 0
+        assert s.alloc.runs.find_free_run(1) is None and s.stats()["evictions"] == 0
         return expected
 
 
@@ -537,7 +537,7 @@ def test_slab_mid_free(pool_path):
         per_slab = s.alloc.class_for(WIDE).bps
         n = s.geo.n_units // s.alloc.class_for(WIDE).k * per_slab
         expected = seed(s, n, WIDE, tag="wide")
-        assert s.alloc.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
+        assert s.alloc.runs.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
     run_child(pool_path, "slab.mid_free", """
         s = Store.open(path)
         s.put("other", make_value("other", 1, 70000))

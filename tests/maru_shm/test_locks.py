@@ -277,7 +277,7 @@ def _fill(s, make_value, prefix, n, size):
 def _damage_class(cid):
     def damage(s):
         # wreck every derived field of the class: bitmaps say free, counts and partial list are garbage
-        for h in s.alloc.class_slabs(cid):
+        for h in s.alloc.slabs.class_slabs(cid):
             so = s.geo.slab_entry(h)
             s.mm[so + SLAB_BITMAP:so + SLAB_BITMAP + 32] = bytes(32)
             U32.pack_into(s.mm, so + SLAB_NFREE, 9999)

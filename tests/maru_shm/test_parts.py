@@ -75,7 +75,7 @@ def test_the_allocator_needs_nothing_but_its_host(pool_path):
                 store_u64(s.mm, m, next_word(U64.unpack_from(s.mm, m)[0], LIVE))
                 U16.pack_into(s.mm, m + META_OWNER_OFF, 0)
             with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-                freed = alloc.evict_blocks(info, 4)
+                freed = alloc.clock.evict_blocks(info, 4)
             assert freed == 4 and host.unpublished == 4
             assert host.counted["evictions"] == 4
         finally:
