@@ -3,9 +3,10 @@ other, nothing imports in a cycle, the store imports none of its clients, client
 face of maru_shm, and the backend's parts never reach back into its SGLang adapter (calls go one way).
 
 The layers are the folders of maru_shm/ (each sub-package's docstring says what it holds), listed below
-from the bottom up; a module may import its own folder and the layers below, never one above. The few
-modules that lie flat in maru_shm/ are named in the list like folders. This list is the layer map:
-docs/DESIGN.md section 11 describes it, nothing else writes it.
+from the bottom up; a module may import its own folder and the layers below, never one above nor another
+folder of its own layer. The few modules that lie flat in maru_shm/ are named in the list like folders; the
+flat modules of the top layer (the Store, its call boundary, administration, the package's face) may
+import each other. This list is the layer map; docs/DESIGN.md section 11 describes each folder's modules.
 
 The imports are read from the source (ast), so a lazy import inside a function counts too.
 """
@@ -113,6 +114,14 @@ def test_layers_import_only_downward():
             if LAYER_OF.get(_component(dep), 99) > mine:
                 upward.append(f"{mod} (L{mine}) imports {dep} (L{LAYER_OF.get(_component(dep))})")
     assert not upward, "\n".join(upward)
+
+
+def test_folders_of_one_layer_never_import_each_other():
+    face = LAYER_OF["__init__"]
+    across = [f"{mod} imports {dep}" for mod, deps in _store_graph().items() for dep in deps
+              if _component(dep) != _component(mod) and LAYER_OF[_component(mod)] == LAYER_OF.get(_component(dep))
+              and LAYER_OF[_component(mod)] != face]
+    assert not across, "\n".join(across)
 
 
 def test_the_store_imports_no_client_but_from_its_entry_module():
