@@ -14,8 +14,6 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OURS = {"maru_shm", "maru_sglang", "tools", "maru_shm_tools"}
 UNDECLARED = {
-    # SGLang's own dependency, imported only to read SGLang's metrics collector (tools/sglang_stack.py)
-    "prometheus_client",
     # tools/sglang_cpu.py asks whether the imported sgl_kernel is its own stand-in (tools/sglang_cpu_path)
     "sgl_kernel",
 }

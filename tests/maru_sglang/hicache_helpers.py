@@ -297,7 +297,7 @@ def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa
     """A real CPU DeepSeekV4TokenToKVPool (compressed c4 / c128 KV, SWA): DeepSeek-V4's device pool.
 
     Its constructor reads the execution config a scheduler publishes; a context made from a ServerArgs
-    over a config-only model directory (tools.sglang_stack) is active while it runs, and the process's
+    over a config-only model directory (sglang_stack.py) is active while it runs, and the process's
     own context is left as it was (runtime_context.use_context).
     """
     import tempfile
@@ -307,7 +307,7 @@ def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa
     from sglang.srt.runtime_context import create_context, get_parallel, use_context
     from sglang.srt.server_args import ServerArgs
 
-    from tools.sglang_stack import model_dir
+    from .sglang_stack import model_dir
 
     tokens = page_size * pages
     with tempfile.TemporaryDirectory() as models:

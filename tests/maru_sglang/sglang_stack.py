@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own HiCache storage stack on CPU, driving MaruStorage: the main job and its tests use it.
+"""SGLang 0.5.23's own HiCache storage stack on CPU, driving MaruStorage, for the backend's tests.
 
 Built as a scheduler builds it: a real ServerArgs (device cpu, hierarchical cache, storage backend
 `dynamic` with its extra config as a JSON string, layout page_first_direct, io backend direct) over a
