@@ -271,7 +271,7 @@ class SecondTier:
             self.went_down(f"{what} raised {type(e).__name__}")
             return fallback
 
-    # ------------------------------------------------------------ the tier's calls (twotier.Tier)
+    # ------------------------------------------------------------ the tier's calls (twotiers.Tier)
     def exists(self, keys: List[str]) -> int:
         return self.call("batch_exists", lambda c: c.batch_exists(keys), 0)
 
