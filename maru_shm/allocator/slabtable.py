@@ -13,9 +13,9 @@ import struct
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format.layout import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
-                             SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE,
-                             U32, UNIT_HEAD, UNIT_TAIL)
+from ..format import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
+                      SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE, U32,
+                      UNIT_HEAD, UNIT_TAIL)
 from .classtable import ClassInfo, ClassTable
 
 
@@ -79,12 +79,23 @@ class SlabTable:
         return (u, info) if info else (None, None)
 
     def block_index(self, offset: int):
-        """(head, ClassInfo, block index) if offset is a block start of a slab, else None."""
+        """(head, ClassInfo, block index) if offset is a block start of a slab, else None.
+
+        The head's class alone does not make a block: a damaged class or count would lay the class's blocks
+        over a neighbour's. So the slab must have the class's block count, and the unit of the block's last
+        byte must be the head or one of its TAILs; a block failing either is no block (never copied into,
+        never kept, never freed: check() reports it and repair settles it)."""
         h, info = self.head_of(offset)
         if h is None:
             return None
-        i, r = divmod(offset - self.geo.unit_offset(h), info.block)
+        geo = self.geo
+        i, r = divmod(offset - geo.unit_offset(h), info.block)
         if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
+            return None
+        if get32(self.mm, geo.slab_entry(h) + SLAB_NBLOCKS) != info.bps:
+            return None
+        last = (offset + info.block - 1) // geo.unit_size
+        if last != h and (last >= geo.n_units or _STATE_CLS.unpack_from(self.mm, geo.slab_entry(last)) != (UNIT_TAIL, h)):
             return None
         return h, info, i
 
@@ -162,7 +173,7 @@ class SlabTable:
 
     def take_free(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
         """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
-        base = self.geo.unit_offset(h)
+        base = h * self.geo.unit_size
         nfree = self.nfree(h)
         if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
             bm = self.bitmap(h)

@@ -236,6 +236,8 @@ PINNED = [
                                                            # kept for reuse, and repair spared its owner
     [("xor", 59512, 8)],                                   # k32's length 3000 -> 2992 (bit 3): wrong bytes
     [("xor", 57503, 2)],                                   # k24's length check, one bit: must miss
+    [("xor", 40964, 2)],                                   # slab 0's class 0 -> 2 (a 4-unit class): an old
+                                                           # block kept as class 2's ran into slab 1 (k2)
 ]
 
 

@@ -249,6 +249,6 @@ def test_the_count_and_offered_switches_reach_a_store_opened_under_them(pool_pat
             g = s.index.find(key_digest("k"))[1] // s.geo.granule
             assert refs(s, g, 3) == top  # a hit raises the count to the setting's top
             s.alloc.meta_refs[g] = 0
-            pages.mark_offered_again(s, np.array([key_digest("k")]))
+            pages.mark_offered_again(s, np.frombuffer(key_digest("k"), np.uint8).reshape(1, 16))
             assert refs(s, g, 0) == mark
         remove_pool(pool_path)
