@@ -39,7 +39,7 @@ def public_call(method=None, *, owns_blocks: bool = False):
     An exception raised at any bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its
     own held (guard.release_stranded, LockTable.release_stranded), counts it out of the fence, and leaves
     no block untracked: a call that `owns_blocks` (a put, a delete) keeps a ledger of every block it makes
-    ours (allocator/kept.py), and what the ledger still holds when an exception ends the call is settled
+    ours (allocator/keptblocks.py), and what the ledger still holds when an exception ends the call is settled
     as a reaper settles a dead slot's blocks; then the call repairs every domain it left dirty (cutcall.py)."""
     if method is None:
         return functools.partial(public_call, owns_blocks=owns_blocks)

@@ -15,7 +15,7 @@ from ..format.layout import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, MET
 from ..batching import SMALL_BATCH
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo
-from .release import BlockRelease
+from .freeing import BlockRelease
 from .slabtable import SlabTable
 
 

@@ -15,8 +15,8 @@ from ..format.layout import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESE
 from .blockmeta import BlockMetas
 from .classtable import ClassTable
 from .freeruns import FreeRuns
-from .locking import AllocatorLocks
-from .release import BlockRelease
+from .classlocks import AllocatorLocks
+from .freeing import BlockRelease
 from .slabtable import SlabTable, set32
 
 

@@ -16,8 +16,8 @@ from ..format.layout import (FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
-from .locking import AllocatorLocks
-from .release import BlockRelease
+from .classlocks import AllocatorLocks
+from .freeing import BlockRelease
 from .slabtable import SlabTable
 
 

@@ -4,7 +4,7 @@ Per-key Python is the cost on small pages, so every step that can be is one nump
 batch (putbatch.VectorPut); a few keys take the scalar form (putbatch.ScalarPut). FORMAT.md section 8
 gives the order of stores and what a death after each leaves behind.
 
-Every block the call makes its own is in its ledger first (allocator/kept.py): if the call raises, its
+Every block the call makes its own is in its ledger first (allocator/keptblocks.py): if the call raises, its
 public entry settles them (calls.py `public_call`); a death leaves them to a reaper.
 """
 

@@ -14,7 +14,7 @@ import pytest
 from maru_shm.allocator.policy import Settings
 from maru_shm.format.sizeclasses import geometric_sizes
 from maru_shm.format.layout import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
-from maru_shm.allocator.kept import keep_limit, spare_limit
+from maru_shm.allocator.keptblocks import keep_limit, spare_limit
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -452,7 +452,7 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
     old_off, old_word, _, _ = s._reader.lookup(key_digest("a"))
-    spares = s.alloc.kept_blocks.lists[info.cid][:]  # the first put's spares (kept.spare_limit), RESERVED
+    spares = s.alloc.kept_blocks.lists[info.cid][:]  # the first put's spares (keptblocks.spare_limit), RESERVED
     assert len(spares) == spare_limit(info)
     assert s.put("a", make_value("a", 2, 20_000))  # takes a spare; the old block joins the list last
     assert s.alloc.kept_blocks.lists[info.cid] == spares[:-1] + [(old_off, old_word)]

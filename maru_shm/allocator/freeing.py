@@ -12,8 +12,8 @@ import numpy as np
 from .. import crashpoints as _cp
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo
-from .kept import KeptBlocks
-from .locking import AllocatorLocks
+from .keptblocks import KeptBlocks
+from .classlocks import AllocatorLocks
 from .slabtable import SlabTable
 
 
@@ -26,8 +26,8 @@ class BlockRelease:
 
         With `keep` (this process's owner value, slot + 1; the blocks must be unindexed: an overwrite's
         old block, claimed when it was unpublished, or one of ours that was not published), each class
-        first keeps up to `kept.keep_limit` of those still owned by `keep` with that word for this
-        process's next allocations of the class (kept.py). Only the rest is freed, under the class lock.
+        first keeps up to `keptblocks.keep_limit` of those still owned by `keep` with that word for this
+        process's next allocations of the class (keptblocks.py). Only the rest is freed, under the class lock.
         So an overwrite-heavy process takes the class lock neither to free its old blocks nor to
         allocate new ones.
         """
