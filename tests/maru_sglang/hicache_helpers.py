@@ -307,7 +307,7 @@ def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa
     from sglang.srt.runtime_context import create_context, get_parallel, use_context
     from sglang.srt.server_args import ServerArgs
 
-    from .sglang_stack import model_dir
+    from sglang_stack import model_dir  # by name, as this module is imported (tests/maru_sglang on sys.path)
 
     tokens = page_size * pages
     with tempfile.TemporaryDirectory() as models:
