@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 
 from maru_shm import Store, format_size, prefixed_digests
 
-from .localtier import LocalTier, LogOnce
+from .tiers.local import LocalTier, LogOnce
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import page_pieces, store_pages
 from .sync import Tally

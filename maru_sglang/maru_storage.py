@@ -8,7 +8,7 @@ same pool file and moves pages directly between its host pool and the file.
   exact-fit size class of the pool, so no byte of the file is padding.
 - The pool is attached once every host pool is registered (SGLang's
   on_host_pools_registered(), or the first call that needs it), so that a pool
-  this instance creates fits its smallest page (maru_sglang.pool).
+  this instance creates fits its smallest page (maru_sglang.sharedpool).
 - Pages are copied piece by piece (K and V, or every layer, as
   `get_page_buffer_meta` describes them) straight between host memory and
   the mapping: no concatenation buffer.
@@ -18,7 +18,7 @@ same pool file and moves pages directly between its host pool and the file.
   once per cause and reported as False.
 - The pool heals: truncated, removed (`maru-shm destroy --force`) or re-created
   under the server, it is detached and reopened with backoff, and calls answer
-  misses meanwhile (maru_sglang.pool).
+  misses meanwhile (maru_sglang.sharedpool).
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 - Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
@@ -40,13 +40,13 @@ from maru_shm import Store, StoreError, format_size
 
 from .config import MaruConfig
 from .hybrid import HybridPools
-from .localtier import LocalTier
+from .tiers.local import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
 from .pages import host_indices_fit
-from .pool import SharedPool
+from .sharedpool import SharedPool
 from .sync import public_calls
-from .tier2 import SecondTier
-from .twotier import TwoTiers
+from .tiers.second import SecondTier
+from .tiers.twotiers import TwoTiers
 
 logger = logging.getLogger("maru_sglang")
 

@@ -1,6 +1,6 @@
 """Pages of a host pool as the store sees them: piece tables, and the write of a batch that skips pages present.
 
-Shared by the KV pages' tier (maru_sglang.localtier) and the v2 pools of hybrid
+Shared by the KV pages' tier (maru_sglang.tiers.local) and the v2 pools of hybrid
 models (maru_sglang.hybrid): both describe a batch of pages with the host pool's
 `get_page_buffer_meta` and move them with one store call.
 """

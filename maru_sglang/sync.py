@@ -18,7 +18,7 @@ and the next call then waits forever. The rule is maru_shm's (locks.py, guard.py
 - Figures a storage thread adds on every call need no mutex (`Tally`): it appends a record to a deque
   (one C call, atomic under the GIL), and the reader folds them.
 
-The store's thread guards (maru_shm/guard.py) are another family: a store call that fails gives back the
+The store's thread guards (maru_shm/locking/guard.py) are another family: a store call that fails gives back the
 guards of its thread, never the backend's mutexes, which the attaching section holds across Store.open.
 """
 

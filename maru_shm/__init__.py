@@ -10,13 +10,14 @@ See docs/FORMAT.md for the file format and its crash-safety protocol.
 
 from .allocator.policy import Settings as EvictionSettings, using as eviction_settings
 from .admin import check_pool, destroy_pool, is_device, plan_pool, remove_pool, repair_pool
-from .check import CheckReport
-from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError, PermissionDeniedError, PoolClosedError,
-                     PoolDamagedError, PoolInUseError, SizeMismatchError, StoreError, TruncatedPoolError,
-                     ValueTooLargeError, VersionError)
-from .format import Geometry
+from .checks.repair import CheckReport
+from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError, PermissionDeniedError,
+                     PoolClosedError, PoolDamagedError, PoolInUseError, SizeMismatchError, StoreError,
+                     TruncatedPoolError, ValueTooLargeError, VersionError)
+from .format.geometry import Geometry
 from .index import key_digest, prefixed_digest, prefixed_digests
-from .poolview import PoolView, report as pool_report
+from .checks.view import PoolView
+from .checks.figures import report as pool_report
 from .sizes import format_size, parse_size
 from .store import Store
 

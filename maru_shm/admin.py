@@ -10,15 +10,17 @@ from __future__ import annotations
 import os
 import stat
 
-from .check import CheckReport, check_store
+from .checks.repair import CheckReport, check_store
 from .errors import NotAPoolError, PoolInUseError, StoreError
-from .format import LOCK_INIT, LOCK_PROC, MAGIC, POOL_UUID_OFF, SUPERBLOCK_SIZE, Geometry
-from .livecheck import check_live
-from .creation import remove_leftovers
-from .lockfile import lock_file_path, missing_error, names_pool, open_lock_file, serves, still_at
-from .locks import take_lock
-from .poolfile import is_device_path
-from .poolview import PoolView, processes
+from .format.layout import LOCK_INIT, LOCK_PROC, MAGIC, POOL_UUID_OFF, SUPERBLOCK_SIZE
+from .format.geometry import Geometry
+from .checks.check import check_live
+from .mapping.creation import remove_leftovers
+from .locking.lockfile import lock_file_path, missing_error, names_pool, open_lock_file, serves, still_at
+from .locking.ofd import take_lock
+from .mapping.poolfile import is_device_path
+from .checks.view import PoolView
+from .checks.figures import processes
 from .sizes import parse_size
 from .store import Store
 

@@ -5,25 +5,14 @@ process-table slot (and that slot's lock, which proves it alive), and the
 per-process counters. Reads take no lock; writes take one class lock to
 reserve blocks and one shard lock per index shard to publish them.
 
-This module is the facade: it checks arguments, guards every call (closed,
-forked, damaged pool; the close fence) and hands the work to the store's
-parts, each owning its own state:
-
-    attachment   the mapping, lock table, index and allocator views, damage checks
-    proctable    this process's slot and every slot's liveness
-    reaper       settling what dead processes left behind
-    counters     per-process operation counters
-    readpath     lock-free lookups and copies out
-    writepath    reserve, copy, commit, publish, free
-    publish      everything under SHARD locks (publication, index-pressure eviction, unpublish)
+This module is the facade: it checks arguments, guards every call (calls.py) and hands the work to the
+store's parts, each owning its own state: the attachment (mapping/), the process table, reaper and
+counters (processes/), the read path, write path and publisher (datapath/).
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import os
-import weakref
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -31,114 +20,29 @@ import numpy as np
 from . import crashpoints as _cp
 from .allocator import Allocator
 from .allocator.policy import flags_for as eviction_flags
-from .attachment import Attachment
-from .check import check_store
-from .copyengine import CopyEngine, check_threads
-from .counters import Counters
-from .errors import PoolClosedError, StoreError, ValueTooLargeError
-from .fence import CallFence
-from .cutcall import repair_left_dirty, settle_cut_call
-from .guard import release_stranded as release_stranded_guards
+from .calls import OPEN_STORES, public_call
+from .checks.figures import counters as pool_counters, pool_stats
+from .checks.repair import check_store
+from .copying.copyengine import CopyEngine, check_threads
+from .copying.pieces import Pieces, buffer_address, writable_bytes
+from .datapath.publish import Publisher
+from .datapath.readpath import ReadPath
+from .datapath.resolve import leading_present, resolve
+from .datapath.writepath import WritePath
+from .errors import StoreError, ValueTooLargeError
 from .index import digest_array, key_digest
-from .pieces import Pieces, buffer_address, writable_bytes
-from .poolfile import PoolFile, ensure_backed, open_pool_file
-from .poolview import counters as pool_counters, pool_stats
-from .proctable import ProcessTable
-from .publish import Publisher
-from .readpath import ReadPath
-from .reaper import Reaper
-from .resolve import leading_present, resolve
+from .locking.guard import release_stranded as release_stranded_guards
+from .locking.lockwait import check_timeout
+from .mapping.attachment import Attachment
+from .mapping.fence import CallFence
+from .mapping.poolfile import PoolFile, open_pool_file
+from .processes.counters import Counters
+from .processes.proctable import ProcessTable
+from .processes.reaper import Reaper
 from .sizes import parse_size
-from .writepath import WritePath
 
-MAX_TIMEOUT = 86400.0  # s: the longest lock wait Store.open accepts
 CLOSE_WAIT = 30.0  # s close() waits for calls in flight (each is bounded by its lock timeouts)
 PIN_LIMIT = 64  # values one Store may pin (Store.pin)
-
-# Stores open in this process. A child made by fork() inherits them with the parent's process slot and
-# kept blocks: using one there would act as the parent. The child marks them forked: every call raises
-# PoolClosedError, and close() only drops the child's copies of the mapping and descriptors. (Its copies
-# of the lock descriptions are gone already: locks.py drops them at the fork, so the parent's death
-# releases its locks and slot even while the child lives.)
-_OPEN_STORES: "weakref.WeakSet[Store]" = weakref.WeakSet()
-
-
-def _forget_stores_in_child() -> None:
-    for store in list(_OPEN_STORES):
-        store._forked = True
-
-
-os.register_at_fork(after_in_child=_forget_stores_in_child)
-
-
-def _entry(method=None, *, owns_blocks: bool = False):
-    """A public call: refused once the store is closed, damaged or inherited across fork(); counted in the
-    call fence while it runs, so that close() waits for it before unmapping.
-
-    An exception raised at any bytecode of it (KeyboardInterrupt, a signal handler's) leaves no lock of its
-    own held (guard.release_stranded, LockTable.release_stranded), counts it out of the fence, and leaves
-    no block untracked: a call that `owns_blocks` (a put, a delete) keeps a ledger of every block it makes
-    ours (allocator/kept.py), and what the ledger still holds when an exception ends the call is settled
-    as a reaper settles a dead slot's blocks; then the call repairs every domain it left dirty (cutcall.py)."""
-    if method is None:
-        return functools.partial(_entry, owns_blocks=owns_blocks)
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        locks, fence, token = self.att.locks, self._fence, object()
-        before = locks.held_now()
-        admitted = False
-        try:
-            if self._forked or not fence.enter(token):
-                raise _refusal(self)
-            admitted = True
-            if owns_blocks:
-                self._kept.begin()
-            self.att.check_intact()
-            result = method(self, *args, **kwargs)
-            if self.att.faults.faults:  # a page vanished under this call: what it read or wrote is not to be trusted
-                self.att.check_intact()
-            return result
-        except BaseException:
-            release_stranded_guards()
-            locks.release_stranded(before)
-            if owns_blocks:
-                settle_cut_call(self)
-            if admitted and not before:
-                repair_left_dirty(self)
-            raise
-        finally:
-            # Counted out even when an exception lands here: a one-line `try:` runs its `finally:` whichever
-            # of its bytecodes the exception meets, and leaving twice is leaving once.
-            try: _leave_call(self, owns_blocks, token)
-            finally: fence.leave(token)
-    return call
-
-
-def _leave_call(store, owns_blocks: bool, token) -> None:
-    """A public call is over: its ledger closed, the call counted out of the fence."""
-    if owns_blocks:
-        store._kept.end()
-    store._fence.leave(token)
-
-
-def _refusal(store) -> PoolClosedError:
-    """Why a call is refused: the store is closed, or was opened by the parent of this forked process."""
-    if store._forked:
-        return PoolClosedError("store was opened before fork() by the parent process; open the pool again in "
-                               "this process (the slot, locks and kept blocks are the parent's)")
-    return PoolClosedError("store is closed")
-
-
-def check_timeout(timeout) -> float:
-    """A lock wait limit: a positive, finite number of seconds, at most a day (NaN or inf would wait forever)."""
-    try:
-        t = float(timeout)
-    except (TypeError, ValueError):
-        raise ValueError(f"timeout must be a number of seconds, got {timeout!r}") from None
-    if not (0 < t <= MAX_TIMEOUT):  # also false for NaN
-        raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
-    return t
 
 
 class AllocatorServices:
@@ -212,19 +116,19 @@ class Store:
         self._forked = False
         self._pins: set[bytes] = set()  # digests of the keys this Store pinned (PIN_LIMIT)
         self._fence = CallFence()
-        self.att = att = Attachment(pf, timeout)
-        self.procs = ProcessTable(att)
-        self.counters = Counters(self.procs, att.locks)
-        self.publisher = Publisher(att, self.procs, self.counters)
-        att.alloc = Allocator(AllocatorServices(att, self.procs, self.counters, self.publisher))
+        self._att = att = Attachment(pf, timeout)
+        self._procs = ProcessTable(att)
+        self._counters = Counters(self._procs, att.locks)
+        self._publisher = Publisher(att, self._procs, self._counters)
+        att.alloc = Allocator(AllocatorServices(att, self._procs, self._counters, self._publisher))
         self._kept = att.alloc.kept_blocks  # who in this process holds each block it owns
-        self.reaper = Reaper(att, self.procs, self.counters)
-        self.engine = CopyEngine(copy_threads)
-        self.reader = ReadPath(att, self.engine, self.counters)
-        self.writer = WritePath(att, self.engine, self.procs, self.counters, self.publisher, self.reaper.reap_dead)
+        self._reaper = Reaper(att, self._procs, self._counters)
+        self._engine = CopyEngine(copy_threads)
+        self._reader = ReadPath(att, self._engine, self._counters)
+        self._writer = WritePath(att, self._engine, self._procs, self._counters, self._publisher, self._reaper.reap_dead)
         try:
-            self.procs.attach(self.reaper.reap_dead)
-            self.reaper.reap_dead()
+            self._procs.attach(self._reaper.reap_dead)
+            self._reaper.reap_dead()
         except BaseException:
             # Leave nothing behind: the slot, and the buffer exports that would make closing the map fail
             # (BufferError) and hide the real error. (The caller closes the PoolFile.)
@@ -233,20 +137,19 @@ class Store:
             finally:
                 att.release(close_file=False)
             raise
-        _OPEN_STORES.add(self)
+        OPEN_STORES.add(self)
 
     # the attached pool, for the store's own modules and tools (read-only use)
-    path = property(lambda self: self.att.path)
-    mm = property(lambda self: self.att.mm)
-    geo = property(lambda self: self.att.geo)
-    locks = property(lambda self: self.att.locks)
-    index = property(lambda self: self.att.index)
-    alloc = property(lambda self: self.att.alloc)
-    policy = property(lambda self: self.att.alloc.policy)  # the eviction decisions and their settings
-    slot = property(lambda self: self.procs.slot)
+    path = property(lambda self: self._att.path)
+    mm = property(lambda self: self._att.mm)
+    geo = property(lambda self: self._att.geo)
+    locks = property(lambda self: self._att.locks)
+    index = property(lambda self: self._att.index)
+    alloc = property(lambda self: self._att.alloc)
+    policy = property(lambda self: self._att.alloc.policy)  # the eviction decisions and their settings
+    slot = property(lambda self: self._procs.slot)
     timeout = property(lambda self: self.locks.timeout)
     max_value = property(lambda self: self.geo.max_value)
-    data_address = property(lambda self: self.att.data)  # the data area's address here (benchmarks' raw copies)
 
     def __enter__(self) -> "Store":
         return self
@@ -257,17 +160,10 @@ class Store:
     def __repr__(self) -> str:
         return f"<maru_shm.Store {self.path!r} slot={self.slot} {'closed' if self._closed else 'open'}>"
 
-    @_entry
+    @public_call
     def populate(self) -> None:
         """Allocate the pool's memory and pre-fault this process's page tables (contents unchanged)."""
-        pf = self.att.pf
-        if not pf.is_device:
-            ensure_backed(pf.fd, self.path, self.geo.file_size)
-        try:
-            self.mm.madvise(23)  # MADV_POPULATE_WRITE (Linux 5.14+); never changes contents
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # EINVAL: a kernel without it (faults happen on first touch instead)
-                raise StoreError(f"cannot pre-fault {self.path}: {e.strerror}") from None
+        self._att.populate()
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
@@ -285,54 +181,55 @@ class Store:
             raise
 
     def _close(self) -> None:
-        _OPEN_STORES.discard(self)
+        OPEN_STORES.discard(self)
         if self._forked:  # a forked child's slot and fence are its parent's: drop our copies only
-            self.att.release()
+            self._att.release()
             self._closed = True
             return
         if not self._fence.shut_and_wait(CLOSE_WAIT):
             self._closed = True
             return
         try:
-            if self.att.released:
+            if self._att.released:
                 pass  # a close cut short once its release began: a slot still claimed is left to the reaper
-            elif self.att.damage is None:
+            elif self._att.damage is None:
                 self._detach()
             else:  # never write into a damaged mapping: give up the slot's lock only
-                self.procs.drop_slot_lock()
+                self._procs.drop_slot_lock()
         finally:
-            self.engine.close()
-            self.att.release()
+            self._engine.close()
+            self._att.release()
         self._closed = True
 
     def _detach(self) -> None:
         """Publish counters, settle the blocks our slot still owns (kept ones, any a failed settling left),
         retire the slot."""
-        if self.procs.slot >= 0:
-            self.counters.flush()
-            self.procs.detach(self.reaper.settle)
+        if self._procs.slot >= 0:
+            self._counters.flush()
+            self._procs.detach(self._reaper.settle)
 
     def lost(self) -> StoreError | None:
         """Why this store no longer serves the pool at its path, or None (Attachment.lost); one stat, no lock."""
-        return self.att.lost()
+        return self._att.lost()
 
     # ---------------------------------------------------------------- processes and counters
-    @_entry
+    @public_call
     def count_heal(self) -> None:
         """Count `heals` (FORMAT.md section 2): this process reopened this pool after losing its previous one."""
-        self.procs.count_heal()
+        self._procs.count_heal()
 
-    @_entry
+    @public_call
     def reap_dead(self) -> int:
         """Reclaim the slots and unpublished blocks of processes that died; returns slots reaped."""
-        return self.reaper.reap_dead()
+        return self._reaper.reap_dead()
 
     def slot_alive(self, owner_plus1: int) -> bool:
-        """Is the process whose owner id (slot + 1) this is alive? (Its SLOT lock is held while it lives.)"""
-        return self.procs.alive(owner_plus1)
+        """Is the process whose owner id (slot + 1) this is alive? (Its SLOT lock is held while it lives.)
+        The repair hands the store to the checks as their pool (checks/check.py check_domains), which ask it."""
+        return self._procs.alive(owner_plus1)
 
     # ---------------------------------------------------------------- sizes
-    @_entry
+    @public_call
     def declare_size(self, nbytes: int) -> int:
         """Give values of exactly `nbytes` an exact-fit size class (e.g. a KV page); returns its class id."""
         return self.alloc.declare_exact(int(nbytes)).cid
@@ -345,30 +242,30 @@ class Store:
         """
         return self.batch_get_pieces([key], [pieces])[0]
 
-    @_entry
+    @public_call
     def batch_get_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces], *, digests=None) -> list[bool]:
         """Load many values into destination pieces; per key True only if the stored length matches exactly.
 
         `pieces_list` is one list of (address, nbytes) per key, or an (n, k, 2) array
-        (see maru_shm.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
+        (see maru_shm.copying.pieces). `digests` (an (n, 16) array or list of 16-byte digests)
         replaces hashing `keys`.
         """
         darr = _digest_batch(keys, digests)
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} destinations for {len(darr)} keys")
-        out = self.reader.get_batch(darr, pieces_list)
-        self.counters.flush()
+        out = self._reader.get_batch(darr, pieces_list)
+        self._counters.flush()
         return out
 
-    @_entry
+    @public_call
     def resolve(self, digests, full: bool = True):
         """Vectorised lock-free lookup of a batch of digests: ok mask, offsets, words, lengths (see resolve.py).
 
         full=False skips the block-start checks a copy needs: enough to ask "present, and how long?".
         """
-        return resolve(self.att, digest_array(digests), full=full)
+        return resolve(self._att, digest_array(digests), full=full)
 
-    @_entry
+    @public_call
     def maybe_present(self, digests) -> np.ndarray:
         """Cheap, lock-free hint for a batch: False only where the digest's home slot is empty, which proves the
         key absent (backward-shift deletion keeps every entry's probe path from its home slot unbroken). True
@@ -377,16 +274,16 @@ class Store:
         halves = digest_array(digests).view("<u8")
         return self.index.home_entries(halves[:, 0], halves[:, 1])[:, 2] != 0
 
-    @_entry
+    @public_call
     def get_into(self, key, out) -> int | None:
         """Copy the value into writable buffer `out`; its length, or None on a miss or if `out` is too small."""
         view = writable_bytes(out)
-        length = self.reader.get_one_into(key_digest(key), view)
+        length = self._reader.get_one_into(key_digest(key), view)
         view.release()
-        self.counters.count_get(length)
+        self._counters.count_get(length)
         return length
 
-    @_entry
+    @public_call
     def batch_get_into(self, keys: Sequence, outs: Sequence) -> list[int | None]:
         keys, outs = list(keys), list(outs)
         if len(keys) != len(outs):
@@ -394,14 +291,14 @@ class Store:
         res: list[int | None] = []
         for key, out in zip(keys, outs):
             view = writable_bytes(out)
-            res.append(self.reader.get_one_into(key_digest(key), view))
+            res.append(self._reader.get_one_into(key_digest(key), view))
             view.release()
         hits = len(res) - res.count(None)
-        self.counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
-        self.counters.flush()
+        self._counters.count(hits=hits, misses=len(res) - hits, bytes_read=sum([r for r in res if r]))
+        self._counters.flush()
         return res
 
-    @_entry
+    @public_call
     def get(self, key) -> bytes | None:
         """The value of `key`, or None."""
         held: list[np.ndarray] = []
@@ -409,20 +306,20 @@ class Store:
         def destination(n: int):
             held[:] = [np.empty(n, dtype=np.uint8)]
             return [(held[0].ctypes.data, n)]
-        length = self.reader.get_one(key_digest(key), destination)
-        self.counters.count_get(length)
+        length = self._reader.get_one(key_digest(key), destination)
+        self._counters.count_get(length)
         return None if length is None else held[0].tobytes()
 
-    @_entry
+    @public_call
     def exists(self, key) -> bool:
-        return self.reader.lookup(key_digest(key)) is not None
+        return self._reader.lookup(key_digest(key)) is not None
 
-    @_entry
+    @public_call
     def batch_exists(self, keys: Iterable = (), *, digests=None) -> list[bool]:
         """Per key: is a committed value present? One vectorised pass, no locks."""
-        return resolve(self.att, _digest_batch(list(keys), digests), full=False).ok.tolist()
+        return resolve(self._att, _digest_batch(list(keys), digests), full=False).ok.tolist()
 
-    @_entry
+    @public_call
     def leading_hits(self, keys: Iterable = (), length: int | None = None, *, digests=None) -> int:
         """How many keys from the start are present (with exactly `length` bytes, if given).
 
@@ -432,23 +329,23 @@ class Store:
         """
         darr = _digest_batch(list(keys), digests)
         if len(darr) == 1:
-            hit = self.reader.lookup(darr[0].tobytes())
+            hit = self._reader.lookup(darr[0].tobytes())
             return int(hit is not None and (length is None or hit.length == length))
-        return leading_present(self.att, darr, length)
+        return leading_present(self._att, darr, length)
 
-    @_entry
+    @public_call
     def touch(self, digests, found=None) -> int:
         """Mark these digests' values used (the CLOCKs' ref counts) as a hit does, without copying; how many exist.
         `found`: `resolve(digests)`'s answer when the caller has one: no second lookup, its ok keys are marked."""
-        return self.reader.touch(digest_array(digests), found)
+        return self._reader.touch(digest_array(digests), found)
 
-    @_entry
+    @public_call
     def length_of(self, key=None, *, digest: bytes | None = None) -> int | None:
         """Stored length of `key` (or of the value under a 16-byte `digest`), or None."""
         d = key_digest(key) if digest is None else bytes(digest)
         if len(d) != 16:
             raise ValueError(f"a digest is 16 bytes, got {len(d)}")
-        hit = self.reader.lookup(d)
+        hit = self._reader.lookup(d)
         return None if hit is None else hit.length
 
     # ---------------------------------------------------------------- write path
@@ -478,7 +375,7 @@ class Store:
         del keeps
         return res
 
-    @_entry(owns_blocks=True)
+    @public_call(owns_blocks=True)
     def batch_put_pieces(self, keys: Sequence, pieces_list: Sequence[Pieces],
                          skip_existing: bool = False, *, digests=None, assume_absent: bool = False,
                          written: list | None = None) -> list[bool]:
@@ -495,11 +392,11 @@ class Store:
         darr = digest_array(digests) if digests is not None else [key_digest(k) for k in keys]
         if len(pieces_list) != len(darr):
             raise ValueError(f"{len(pieces_list)} values for {len(darr)} keys")
-        out = self.writer.put_batch(darr, pieces_list, skip_existing, assume_absent, written)
-        self.counters.flush()
+        out = self._writer.put_batch(darr, pieces_list, skip_existing, assume_absent, written)
+        self._counters.flush()
         return out
 
-    @_entry
+    @public_call
     def pin(self, key) -> bool:
         """Keep the committed value of `key` out of eviction and slab moves; True if it is present.
 
@@ -511,15 +408,15 @@ class Store:
         if d not in self._pins and len(self._pins) >= PIN_LIMIT:
             raise StoreError(f"this Store has pinned {PIN_LIMIT} keys already (the limit: pins are for a "
                              "few records a client cannot lose)")
-        if not self.publisher.pin(d, key):
+        if not self._publisher.pin(d, key):
             return False
         self._pins.add(d)
         return True
 
-    @_entry(owns_blocks=True)
+    @public_call(owns_blocks=True)
     def delete(self, key) -> bool:
         """Remove `key`; True if it was present."""
-        removed = self.publisher.unpublish_key(key_digest(key))
+        removed = self._publisher.unpublish_key(key_digest(key))
         if removed is None:
             return False
         if _cp.ARMED is not None:
@@ -528,21 +425,21 @@ class Store:
         return True
 
     # ---------------------------------------------------------------- inspection
-    @_entry
+    @public_call
     def check(self, repair: bool = False):
-        """Full consistency check (see maru_shm.check); with repair=True fix what can be fixed."""
+        """Full consistency check (see maru_shm.checks.repair); with repair=True fix what can be fixed."""
         return check_store(self, repair=repair)
 
-    @_entry
+    @public_call
     def counts(self) -> dict:
         """stats()'s counters alone (hits, misses, puts, evictions, ...): no scan, for every step of a loop."""
-        self.counters.flush()
+        self._counters.flush()
         return pool_counters(self)
 
-    @_entry
+    @public_call
     def stats(self) -> dict:
         """Pool-wide figures: entries, live bytes, capacity, counters of all processes, index shape."""
-        self.counters.flush()
+        self._counters.flush()
         return pool_stats(self)
 
 

@@ -109,8 +109,8 @@ def write_pool_image(path: str, image: bytes) -> None:
     """Write a pool's bytes to a new file at `path`, with the lock file its header's pool_uuid names, and that
     lock file's identity in the header where the image has one (a pool is opened only with the very lock file
     it was made with)."""
-    from maru_shm.format import LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF
-    from maru_shm.lockfile import identity, lock_file_path, name_pool
+    from maru_shm.format.layout import LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF
+    from maru_shm.locking.lockfile import identity, lock_file_path, name_pool
     for p, data in ((lock_file_path(path, False), None), (path, image)):
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
@@ -188,7 +188,7 @@ def _reinstall_faulthandler(config) -> None:
     import ctypes
     import faulthandler
 
-    from maru_shm import faultguard
+    from maru_shm.mapping import faultguard
     try:
         from _pytest.faulthandler import fault_handler_stderr_fd_key
         fd = config.stash[fault_handler_stderr_fd_key]

@@ -14,8 +14,6 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OURS = {"maru_shm", "maru_sglang", "tools", "maru_shm_tools"}
 UNDECLARED = {
-    # SGLang's own dependency, imported only to read SGLang's metrics collector (tools/sglang_stack.py)
-    "prometheus_client",
     # tools/sglang_cpu.py asks whether the imported sgl_kernel is its own stand-in (tools/sglang_cpu_path)
     "sgl_kernel",
 }
@@ -52,3 +50,15 @@ def test_every_third_party_import_is_declared():
     missing = {m: where for m, where in _third_party_imports().items() if m not in declared | UNDECLARED}
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
 
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """A sub-package missing from pyproject's explicit list would install without its modules."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for package in ("maru_shm", "maru_sglang"):
+        for init in sorted((ROOT / package).rglob("__init__.py")):
+            name = ".".join(init.parent.relative_to(ROOT).parts)
+            assert name in listed, f"{name} is a package but not in pyproject.toml's packages"
+    for init in sorted((ROOT / "tools").rglob("__init__.py")):
+        name = ".".join(("maru_shm_tools",) + init.parent.relative_to(ROOT / "tools").parts)
+        assert name in listed, f"{name} (tools/) is a package but not in pyproject.toml's packages"

@@ -75,7 +75,7 @@ def _work(store, wid: int, nkeys: int, counters, seed: int) -> None:
                 store.delete(key)
             elif r < 0.92:
                 # 16 values of 128 KiB, or 128 of 4 KiB: a batch touching most index shards (their whole
-                # range is locked at once, locks.dense_range)
+                # range is locked at once, ofd.dense_range)
                 n, size = (16, 131072) if rnd.random() < 0.5 else (128, 4096)
                 keys = [f"k{rnd.randrange(nkeys)}" for _ in range(n)]
                 store.batch_put(keys, [make_value(k, rnd.getrandbits(40), size) for k in keys],

@@ -16,15 +16,15 @@ only `check --repair` and `destroy` change it (see docs/CLI.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import stat
 import sys
 import time
 
+from .cliparser import PLAN_KNOBS, PROG, build_parser, open_defaults
+
 EXIT_OK, EXIT_PROBLEMS, EXIT_ERROR = 0, 1, 2
-PROG = "maru-shm"
 # The modules that only an extra of pyproject.toml installs, and that extra: a command that imports one of
 # them where it is missing says which extra to install instead of failing as an internal error.
 EXTRA_OF_MODULE = {"sglang": "sglang", "torch": "sglang", "matplotlib": "charts"}
@@ -34,35 +34,7 @@ class CliError(Exception):
     """A condition that ends the command with a one-line message and exit status 2."""
 
 
-# --------------------------------------------------------------------------- helpers
-def _size_arg(text: str) -> int:
-    from maru_shm import parse_size
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _mode_arg(text: str) -> int:
-    try:
-        mode = int(text, 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r} (e.g. 0660)") from None
-    if not 0 <= mode <= 0o777:
-        raise argparse.ArgumentTypeError(f"mode out of range: {text!r}")
-    return mode
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-    return v
-
-
+# --------------------------------------------------------------------------- output
 def _is_tty(stream) -> bool:
     try:
         return stream.isatty()
@@ -84,17 +56,6 @@ def _warn(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- create
-_PLAN_KNOBS = ("granule", "unit_size", "max_value", "index_slots", "index_shards", "proc_slots", "value_size")
-
-
-def _open_defaults() -> dict:
-    """Store.open's defaults for the creation knobs (so the command cannot drift from the library)."""
-    import inspect as pyinspect
-
-    from maru_shm import Store
-    return {k: p.default for k, p in pyinspect.signature(Store.open).parameters.items() if k in _PLAN_KNOBS}
-
-
 def cmd_create(args) -> int:
     from maru_shm import Store
     from . import render
@@ -112,12 +73,12 @@ def cmd_create(args) -> int:
             raise CliError(f"{path} already exists; remove it with `{PROG} destroy {path}` first")
     if args.size is None and not device:
         raise CliError("--size is required to create a pool file (e.g. --size 4G)")
-    knobs = {k: getattr(args, k) for k in _PLAN_KNOBS if getattr(args, k) is not None}
+    knobs = {k: getattr(args, k) for k in PLAN_KNOBS if getattr(args, k) is not None}
     if not device:
         # Plan first: Store.open creates the file before it finds out that the size cannot work.
         from maru_shm import plan_pool
         try:
-            plan_pool(args.size, **{**_open_defaults(), **knobs})
+            plan_pool(args.size, **{**open_defaults(), **knobs})
         except ValueError as e:
             raise CliError(f"cannot create a pool at {path}: {e}") from None
     store = Store.open(path, size=None if device else args.size, create=True, mode=args.mode,
@@ -139,7 +100,7 @@ def cmd_create(args) -> int:
 def _report(view) -> dict:
     """The pool's report, plus the second tier's figures of the processes attached to it (maru_tier2)."""
     from maru_shm import pool_report
-    from maru_sglang.tierstatus import read_statuses
+    from maru_sglang.tiers.status import read_statuses
     rep = pool_report(view)
     rep["tier2"] = read_statuses(rep["path"], [p["pid"] for p in rep["processes"] if p["alive"] is not False])
     return rep
@@ -336,7 +297,7 @@ def cmd_destroy(args) -> int:
     except PoolInUseError as e:
         _warn(str(e))
         return EXIT_PROBLEMS
-    from maru_sglang.tierstatus import remove_all
+    from maru_sglang.tiers.status import remove_all
     remove_all(path)
     if attached:
         who = ", ".join(f"pid {p['pid']} (slot {p['slot']})" for p in attached)
@@ -362,76 +323,8 @@ def cmd_bench(bench_args: list[str]) -> int:
     return rc if isinstance(rc, int) else EXIT_OK
 
 
-# --------------------------------------------------------------------------- parsing
-def build_parser() -> argparse.ArgumentParser:
-    from maru_shm import __version__
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Look inside, check and manage a maru_shm shared-memory pool file.",
-        epilog="exit status: 0 ok; 1 problems found (check) or refused (destroy with live processes); "
-               "2 could not run (not a pool, no such file, permission, bad arguments). See docs/CLI.md.")
-    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    c = sub.add_parser("create", help="create a pool file ahead of time",
-                       description="Create and initialise a pool (a regular file, or a DAX device in place).")
-    c.add_argument("path", metavar="PATH")
-    c.add_argument("--size", type=_size_arg, help="pool size, e.g. 4G, 512M (required for a regular file)")
-    c.add_argument("--mode", type=_mode_arg, default=0o600, help="octal file mode (default 0600), e.g. 0660")
-    d = _open_defaults()
-    c.add_argument("--value-size", type=_size_arg, help="smallest value (KV page) to hold densely: the granule "
-                                                        "and the index are sized for it unless given")
-    c.add_argument("--granule", type=_size_arg, help="smallest block (default 4K, or below a smaller --value-size)")
-    c.add_argument("--unit-size", type=_size_arg, help="slab unit (default 256K, at most 256 granules)")
-    c.add_argument("--max-value", type=_size_arg, help=f"largest value (default {d.get('max_value')})")
-    c.add_argument("--index-slots", type=int, help="index slots, rounded up to a power of two (default: one "
-                                                   "per 16 KiB of data, more for a smaller --value-size)")
-    c.add_argument("--index-shards", type=int, help=f"index shards, a power of two (default {d.get('index_shards')})")
-    c.add_argument("--proc-slots", type=int, help=f"process table slots (default {d.get('proc_slots')})")
-    c.add_argument("--eviction", choices=("count", "age"), default="count",
-                   help="the pool's ref rule: count (the CLOCK, default; a hybrid model's) or age (age stamps: "
-                        "what MaruStorage creates for a plain model)")
-    c.set_defaults(func=cmd_create)
-
-    i = sub.add_parser("inspect", help="show geometry, size classes, index, processes and counters",
-                       description="Show what is inside a pool, read-only, without attaching to it or taking "
-                                   "any lock.")
-    i.add_argument("path", metavar="PATH")
-    i.add_argument("--json", action="store_true", help="print one JSON object (keys in docs/CLI.md)")
-    i.set_defaults(func=cmd_inspect)
-
-    k = sub.add_parser("check", help="full consistency check (exit 1 if problems are found)",
-                       description="Verify every rule of docs/FORMAT.md, one lock domain at a time: read-only, "
-                                   "writers keep working. What exited processes left for the next opener to "
-                                   "reap is reported as a note. With --repair, reap, rebuild derived state "
-                                   "and free orphans while holding every lock, then check again.")
-    k.add_argument("path", metavar="PATH")
-    k.add_argument("--repair", action="store_true", help="repair what the check finds")
-    k.add_argument("--timeout", type=_positive_float, default=10.0,
-                   help="seconds to wait for each lock (default 10)")
-    k.set_defaults(func=cmd_check)
-
-    w = sub.add_parser("watch", help="live view of the inspect summary",
-                       description="Refresh the inspect summary in place (read-only; Ctrl-C to quit). When the "
-                                   "output is not a terminal, print one summary per interval.")
-    w.add_argument("path", metavar="PATH")
-    w.add_argument("--interval", type=_positive_float, default=1.0, help="seconds between refreshes (default 1)")
-    w.add_argument("--count", type=int, default=0, help="stop after N refreshes (default: until Ctrl-C)")
-    w.add_argument("--json", action="store_true", help="print one JSON object per refresh, one per line")
-    w.set_defaults(func=cmd_watch)
-
-    d = sub.add_parser("destroy", help="remove a pool (refuses while live processes are attached)",
-                       description="Unlink a pool file (a DAX device: zero its superblock). Refuses, exit 1, "
-                                   "while live processes are attached unless --force.")
-    d.add_argument("path", metavar="PATH")
-    d.add_argument("--force", action="store_true",
-                   help="destroy even with live processes attached, or with a damaged header")
-    d.add_argument("--timeout", type=_positive_float, default=5.0,
-                   help="seconds to wait for the process-table lock (default 5)")
-    d.set_defaults(func=cmd_destroy)
-
-    sub.add_parser("bench", help="run the benchmarks (tools/benchmarks/; arguments are passed to it)", add_help=False)
-    return p
+COMMANDS = {"create": cmd_create, "inspect": cmd_inspect, "check": cmd_check, "watch": cmd_watch,
+            "destroy": cmd_destroy}
 
 
 def _one_line(e: BaseException) -> str:
@@ -446,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         return _run(lambda: cmd_bench(argv[1:]), "bench", None)
     args = build_parser().parse_args(argv)
-    return _run(lambda: args.func(args), args.command, args)
+    return _run(lambda: COMMANDS[args.command](args), args.command, args)
 
 
 def _run(fn, command: str, args) -> int:

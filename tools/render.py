@@ -1,4 +1,4 @@
-"""Turning an inspect report (maru_shm.poolview.report) into tables.
+"""Turning an inspect report (maru_shm.checks.figures.report) into tables.
 
 One model, two outputs: `sections()` lays the report out as a list of
 `Section`s (title, header, rows, alignment); `to_rich()` draws them with rich

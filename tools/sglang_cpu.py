@@ -39,14 +39,6 @@ def engine_env(env: dict | None = None) -> dict:
     return env
 
 
-def use_in_this_process() -> None:
-    """engine_env() for this process, before SGLang is imported (sys.path included)."""
-    import sys
-    os.environ.update(engine_env())
-    if STAND_IN_PATH not in sys.path:
-        sys.path.insert(0, STAND_IN_PATH)
-
-
 # ---------------------------------------------------------------- host pool io ops (patch 2)
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1)

@@ -7,9 +7,8 @@ ones, and slabs go back to the shared pool of units when emptied or evicted,
 so no class can calcify. One module per concept; facade.py lists them.
 """
 
-from .blockmeta import SMALL_BATCH
 from .classtable import ClassInfo
 from .facade import Allocator
 from .host import AllocatorHost
 
-__all__ = ["Allocator", "AllocatorHost", "ClassInfo", "SMALL_BATCH"]
+__all__ = ["Allocator", "AllocatorHost", "ClassInfo"]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK,
-                      META_TAIL_REF_SHIFT, U64)
-from .blockmeta import SMALL_BATCH, BlockMetas
+from ..format.layout import (CLS_HAND, LIVE, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_TAIL_LENGTH_MASK,
+                             META_TAIL_REF_SHIFT, U64)
+from ..batching import SMALL_BATCH
+from .blockmeta import BlockMetas
 from .classtable import ClassInfo
-from .release import BlockRelease
+from .freeing import BlockRelease
 from .slabtable import SlabTable
 
 
@@ -34,7 +35,7 @@ class Ring:
     def read(self, pos: np.ndarray):
         """Ring positions -> (granules, meta rows, eligible, ref bytes): a candidate is LIVE, unowned, unpinned."""
         info = self.info
-        g = (self.heads[pos // info.bps] * self.slabs.geo.unit_size + (pos % info.bps) * info.block) >> self.metas.shift
+        g = self.slabs.geo.block_offset(self.heads[pos // info.bps], pos % info.bps, info.block) >> self.metas.shift
         q = self.metas.meta_q[g]
         owner, _, pinned = BlockMetas.columns(q)
         ref = ((q[:, META_COL_TAIL] >> np.uint64(META_TAIL_REF_SHIFT)) & np.uint64(0xFF)).astype(np.uint8)
@@ -62,7 +63,7 @@ class BlockClock:
         if not len(ring):
             return 0
         vheads, vindex = heads[ring // info.bps], ring % info.bps
-        voffs = vheads * self.slabs.geo.unit_size + vindex * info.block
+        voffs = self.slabs.geo.block_offset(vheads, vindex, info.block)
         vwords = rows[:, META_COL_WORD]
         lens = rows[:, META_COL_TAIL] & np.uint64(META_TAIL_LENGTH_MASK)
         gone = self.host.unpublish_many(rows[:, META_COL_DIGEST:META_COL_DIGEST + 2], voffs.astype(np.uint64), vwords)

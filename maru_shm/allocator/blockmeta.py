@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD, META_DIGEST_OFF,
-                      META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE, META_STRUCT,
-                      META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT, META_TAIL_REF_SHIFT,
-                      RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
-from ..records import record_struct
-
-# Batches up to this many blocks take scalar paths (here and in the store's put and get): a numpy call
-# costs a few microseconds whatever its length, which only pays off over many keys.
-SMALL_BATCH = 8
-
+from ..format.layout import (FLAG_PINNED, FREE, META_COLS, META_COL_DIGEST, META_COL_TAIL, META_COL_WORD,
+                             META_DIGEST_OFF, META_FLAGS_OFF, META_OWNER_OFF, META_LAYOUT, META_REF_OFF, META_SIZE,
+                             META_STRUCT, META_TAIL_FLAGS_SHIFT, META_TAIL_LENGTH_MASK, META_TAIL_OWNER_SHIFT,
+                             META_TAIL_REF_SHIFT, RESERVED, U16, U64, length_flags, next_word, next_words, store_u64)
+from ..format.records import record_struct
 
 def digest_bytes(d) -> bytes:
     """One digest as 16 bytes: small batches pass them so, batch paths as rows of (m, 2) u64 halves."""
@@ -42,7 +37,7 @@ class BlockMetas:
                                       strides=(META_SIZE,))
         self.meta_refs = np.ndarray((n,), dtype=np.uint8, buffer=mm, offset=base + META_REF_OFF,
                                     strides=(META_SIZE,))
-        self.shift = geo.granule.bit_length() - 1  # granules are powers of two
+        self.shift = geo.granule_shift
 
     def release_views(self) -> None:
         self.meta_q = self.meta_words = self.meta_owners = self.meta_refs = None

@@ -14,9 +14,9 @@ import time
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLASS_STRUCT, CLASSES_VERSION_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED, LOCK_CLASSTAB,
-                      MAX_BLOCKS_PER_SLAB, U32)
-from ..sizeclasses import exact_slab_floor, planned_geometric, slab_shape
+from ..format.layout import (CLASS_STRUCT, CLASSES_VERSION_OFF, KIND_EXACT, KIND_GEOMETRIC, KIND_UNUSED,
+                             LOCK_CLASSTAB, U32)
+from ..format.sizeclasses import exact_slab_floor, planned_geometric, slab_shape
 
 
 class ClassInfo:
@@ -59,8 +59,7 @@ class ClassTable:
         planned = planned_geometric(g.granule, g.unit_size, g.max_value)
         for cid in range(g.class_cap):
             kind, k, block, bps = CLASS_STRUCT.unpack_from(self.mm, g.class_entry(cid))[:4]
-            valid = (kind in (KIND_GEOMETRIC, KIND_EXACT) and 0 < k <= g.n_units and 0 < block <= k * g.unit_size
-                     and 0 < bps <= MAX_BLOCKS_PER_SLAB and bps * block <= k * g.unit_size and block >= g.granule)
+            valid = g.class_fits(kind, k, block, bps)
             if cid < g.n_geo_classes and cid < len(planned):
                 valid = valid and (kind, k, block, bps) == planned[cid]  # fixed at creation: damage = unusable
             info = ClassInfo(cid, kind, k, block, bps) if valid else None

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import (CLASS_ENTRY, CLS_DEMAND, CLS_DEMAND_EPOCH, CLS_K, CLS_NSLABS, DEMAND_ACC_OFF,
-                      DEMAND_EPOCH_OFF, U32, U64)
+from ..format.layout import (CLASS_ENTRY, CLS_DEMAND, CLS_DEMAND_EPOCH, CLS_K, CLS_NSLABS, DEMAND_ACC_OFF,
+                             DEMAND_EPOCH_OFF, U32, U64)
 from .classtable import ClassInfo
 
 # Every class's counter halves each time the pool has allocated data_bytes / DEMAND_EPOCH_DIV bytes

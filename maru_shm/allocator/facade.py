@@ -2,11 +2,11 @@
 
     classtable   size classes as last read          slabtable   slab entries, bitmaps, partial lists
     blockmeta    block lifetimes (the metas)        freeruns    free units, the free floor
-    kept         blocks kept for our next puts      reserve     allocation, making room
-    release      freeing and its derived state      policy      POLICY: every eviction decision (Settings)
+    keptblocks   blocks kept for our next puts      reserve     allocation, making room
+    freeing      freeing and its derived state      policy      POLICY: every eviction decision (Settings)
     blockclock   MECHANISM: evict within a class    slabmover   MECHANISM: move a slab between classes
     demand       class demand, the retention rule
-    repair       rebuild derived state, reaping     locking     CLASS / POOL locks with their repairs
+    repair       rebuild derived state, reaping     classlocks  CLASS / POOL locks with their repairs
 
 What only the layer above knows comes in through `host` (host.AllocatorHost).
 """
@@ -19,10 +19,10 @@ from .classtable import ClassInfo, ClassTable
 from .demand import Demand
 from .freeruns import FreeRuns
 from .host import AllocatorHost
-from .kept import KeptBlocks, keep_limit
-from .locking import AllocatorLocks
+from .keptblocks import KeptBlocks
+from .classlocks import AllocatorLocks
 from .policy import EvictionPolicy, current
-from .release import BlockRelease
+from .freeing import BlockRelease
 from .repair import Repairer
 from .reserve import Reserver
 from .slabmover import SlabMover
@@ -78,7 +78,6 @@ class Allocator:
 
     # ---------------------------------------------------------------- classes
     classes = property(lambda self: self.class_table.classes)
-    kept = property(lambda self: self.kept_blocks.lists)
 
     def refresh_classes(self) -> None:
         self.class_table.refresh()
@@ -93,30 +92,10 @@ class Allocator:
     def declare_exact(self, n: int) -> ClassInfo:
         return self.class_table.declare_exact(n)
 
-    keep_limit = staticmethod(keep_limit)
-
     def free_kept(self) -> int:
-        """Free every block this process keeps for its next puts (kept.py); blocks freed. An owned block
+        """Free every block this process keeps for its next puts (keptblocks.py); blocks freed. An owned block
         pins its slab against moves and eviction, so a put that found no room gives them up first."""
         return self.release.free_blocks(self.kept_blocks.take_all())
-
-    # ---------------------------------------------------------------- locating blocks
-    def class_slabs(self, cid: int) -> list[int]:
-        return self.slabs.class_slabs(cid)
-
-    # ---------------------------------------------------------------- eviction and free units
-    def evict_blocks(self, info: ClassInfo, m: int) -> int:
-        return self.clock.evict_blocks(info, m)
-
-    def donors(self, info: ClassInfo):
-        """The classes (ids) that may give this class a slab now (policy.py)."""
-        return self.policy.donors(info)
-
-    def find_free_run(self, k: int) -> int | None:
-        return self.runs.find_free_run(k)
-
-    def find_free_runs(self, k: int, count: int) -> list[int]:
-        return self.runs.find_free_runs(k, count)
 
     # ---------------------------------------------------------------- repair and reaping
     def repair_pool(self) -> int:

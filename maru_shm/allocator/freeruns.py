@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
+from ..format.layout import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from .classtable import ClassTable
 from .slabtable import SlabTable
 

@@ -18,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from ..format import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, DEMAND_ACC_OFF, FLAG_AGE, FLAG_PINNED, META_FLAGS_OFF,
-                      META_REF_OFF, REF_MAX, U32, U64)
+from ..format.layout import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, DEMAND_ACC_OFF, FLAG_AGE, FLAG_PINNED,
+                             META_FLAGS_OFF, META_REF_OFF, REF_MAX, U32, U64)
 
 # An age-stamp class reads at most this many blocks from the hand to choose its victims (a larger one: a window
 # of them, the next from where the last victim was).

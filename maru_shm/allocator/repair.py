@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESERVED, SLAB_CLS, SLAB_NBLOCKS, UNIT_FREE,
-                      UNIT_HEAD, UNIT_TAIL, length_sound)
+from ..format.layout import (CLS_NSLABS, CLS_PARTIAL, CLS_USED, FREE, LIVE, RESERVED, SLAB_CLS, SLAB_NBLOCKS,
+                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassTable
 from .freeruns import FreeRuns
-from .locking import AllocatorLocks
-from .release import BlockRelease
+from .classlocks import AllocatorLocks
+from .freeing import BlockRelease
 from .slabtable import SlabTable, set32
 
 
@@ -116,7 +116,7 @@ class Repairer:
         bitmap = 0
         used = freed = 0
         for i in range(info.bps):
-            off = h * slabs.geo.unit_size + i * info.block
+            off = slabs.geo.block_offset(h, i, info.block)
             m = metas.meta_off(off)
             word = metas.word(m)
             if word & 3 == FREE:

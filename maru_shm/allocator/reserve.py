@@ -1,6 +1,6 @@
 """Allocation: reserve one block per value, making room when the class has none (FORMAT.md section 8, DESIGN.md section 7).
 
-Blocks come from the process's kept blocks first (no lock, kept.py), then from the class's partial
+Blocks come from the process's kept blocks first (no lock, keptblocks.py), then from the class's partial
 slabs under CLASS[c]; with none left the class makes room as policy.py decides, with the mechanisms here
 (free units for new slabs, a slab move) and in blockclock.py (eviction within the class).
 """
@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from .blockclock import BlockClock
-from .blockmeta import SMALL_BATCH, BlockMetas, digest_bytes
+from ..batching import SMALL_BATCH
+from .blockmeta import BlockMetas, digest_bytes
 from .classtable import ClassInfo
 from .freeruns import FreeRuns
-from .kept import KeptBlocks, spare_limit
-from .locking import AllocatorLocks
+from .keptblocks import KeptBlocks, spare_limit
+from .classlocks import AllocatorLocks
 from .policy import EvictionPolicy
 from .slabmover import SlabMover
 from .slabtable import SlabTable
@@ -89,7 +90,7 @@ class Reserver:
 
     def _reserve_spares(self, info: ClassInfo, owner: int) -> None:
         """CLASS held, a single-key put has its block: reserve spares from the partial slab for this
-        process's next puts of the class (kept.spare_limit), never making room for them."""
+        process's next puts of the class (keptblocks.spare_limit), never making room for them."""
         want = spare_limit(info) - self.kept.count(info.cid)
         head = self.slabs.partial_head(info.cid)
         if want <= 0 or head == 0 or not self.slabs.usable_partial(head - 1, info):

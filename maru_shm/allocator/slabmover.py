@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD, UNIT_TAIL,
-                      length_sound)
+from ..format.layout import (FLAG_PINNED, FREE, LIVE, META_FLAGS_OFF, SLAB_HAND_OFF, U32, UNIT_FREE, UNIT_HEAD,
+                             UNIT_TAIL, length_sound)
 from .blockmeta import BlockMetas
 from .classtable import ClassInfo, ClassTable
 from .freeruns import FreeRuns
-from .locking import AllocatorLocks
-from .release import BlockRelease
+from .classlocks import AllocatorLocks
+from .freeing import BlockRelease
 from .slabtable import SlabTable
 
 
@@ -154,7 +154,7 @@ class SlabMover:
 
     def _granules(self, h: int, info: ClassInfo) -> np.ndarray:
         """The granules where the blocks of slab h start (their block metas)."""
-        return (h * self.slabs.geo.unit_size + np.arange(info.bps, dtype=np.int64) * info.block) >> self.metas.shift
+        return self.slabs.geo.block_offset(h, np.arange(info.bps, dtype=np.int64), info.block) >> self.metas.shift
 
     def _return_units(self, h: int, info: ClassInfo) -> None:
         """Every block FREE at once (word bumped first, so readers miss), then owner and ref cleared; bitmap

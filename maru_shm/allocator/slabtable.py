@@ -13,9 +13,9 @@ import struct
 import numpy as np
 
 from .. import crashpoints as _cp
-from ..format import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
-                      SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE, U32,
-                      UNIT_HEAD, UNIT_TAIL)
+from ..format.layout import (BITMAP_BYTES, CLS_NSLABS, CLS_PARTIAL, CLS_USED, SLAB_BITMAP, SLAB_CLS, SLAB_ENTRY,
+                             SLAB_INPARTIAL, SLAB_NBLOCKS, SLAB_NEXT, SLAB_NFREE, SLAB_PREV, SLAB_REF, SLAB_STATE,
+                             U32, UNIT_HEAD, UNIT_TAIL)
 from .classtable import ClassInfo, ClassTable
 
 
@@ -89,7 +89,7 @@ class SlabTable:
         if h is None:
             return None
         geo = self.geo
-        i, r = divmod(offset - h * geo.unit_size, info.block)
+        i, r = divmod(offset - geo.unit_offset(h), info.block)
         if r or not 0 <= i < info.bps:  # i < 0: a damaged TAIL named a later HEAD
             return None
         if get32(self.mm, geo.slab_entry(h) + SLAB_NBLOCKS) != info.bps:
@@ -173,7 +173,7 @@ class SlabTable:
 
     def take_free(self, h: int, info: ClassInfo, want: int, small: bool, pending: list[int]) -> None:
         """CLASS held: set up to `want` free bits of partial slab h, adding their offsets to `pending`."""
-        base = h * self.geo.unit_size
+        base = self.geo.unit_offset(h)
         nfree = self.nfree(h)
         if small or info.bps <= 32:  # few bits: a Python int beats numpy's fixed cost per call
             bm = self.bitmap(h)

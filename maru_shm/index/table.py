@@ -3,7 +3,7 @@
 Each shard is its own linear-probing table with its own lock, so writers of
 different keys rarely meet. Readers take no lock: they may see an entry
 mid-update, which is why a hit is only believed after the block meta agrees
-(see maru_shm.validity). Deletion shifts later entries back (no tombstones), and
+(see maru_shm.datapath.validity). Deletion shifts later entries back (no tombstones), and
 a shard never exceeds 7/8 load: the writer evicts a cold entry first.
 """
 
@@ -15,9 +15,10 @@ import numpy as np
 
 from .. import crashpoints as _cp
 from ..errors import CorruptPoolError
-from ..format import (ENTRY_COLS, ENTRY_COL_DIGEST, ENTRY_COL_OFFSET, ENTRY_COL_WORD, ENTRY_OFFSET_OFF, ENTRY_SIZE,
-                      ENTRY_STRUCT, ENTRY_WORD_OFF, SHARD_COUNT_OFF, SHARD_HEADER, SHARD_STRUCT, U32, Geometry,
-                      shard_limit, store_u64)
+from ..format.layout import (ENTRY_COLS, ENTRY_COL_DIGEST, ENTRY_COL_OFFSET, ENTRY_COL_WORD, ENTRY_OFFSET_OFF,
+                             ENTRY_SIZE, ENTRY_STRUCT, ENTRY_WORD_OFF, SHARD_COUNT_OFF, SHARD_HEADER, SHARD_STRUCT,
+                             U32, shard_limit, store_u64)
+from ..format.geometry import Geometry
 
 _ZERO_ENTRY = bytes(ENTRY_SIZE)
 _D0, _D1, _WORD, _OFFSET = ENTRY_COL_DIGEST, ENTRY_COL_DIGEST + 1, ENTRY_COL_WORD, ENTRY_COL_OFFSET  # table columns

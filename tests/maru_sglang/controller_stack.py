@@ -1,6 +1,6 @@
 """The two SGLang processes of test_sglang_controller.py (run as `python -m tests.maru_sglang.controller_stack`).
 
-The stack itself, and what it patches, is tools/sglang_stack.py (the main job uses it too).
+The stack itself, and what it patches, is sglang_stack.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from tools.sglang_stack import Stack, tokens_of
+from .sglang_stack import Stack, tokens_of
 
 
 def writer(pool: str, models: str, v1: bool) -> dict:

@@ -297,7 +297,7 @@ def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa
     """A real CPU DeepSeekV4TokenToKVPool (compressed c4 / c128 KV, SWA): DeepSeek-V4's device pool.
 
     Its constructor reads the execution config a scheduler publishes; a context made from a ServerArgs
-    over a config-only model directory (tools.sglang_stack) is active while it runs, and the process's
+    over a config-only model directory (sglang_stack.py) is active while it runs, and the process's
     own context is left as it was (runtime_context.use_context).
     """
     import tempfile
@@ -307,7 +307,7 @@ def make_v4_device(page_size: int = 256, pages: int = 8, *, layers: int = 2, swa
     from sglang.srt.runtime_context import create_context, get_parallel, use_context
     from sglang.srt.server_args import ServerArgs
 
-    from tools.sglang_stack import model_dir
+    from sglang_stack import model_dir  # by name, as this module is imported (tests/maru_sglang on sys.path)
 
     tokens = page_size * pages
     with tempfile.TemporaryDirectory() as models:
@@ -457,11 +457,11 @@ def make_dsa_indexer_host(anchor, *, layers: int = 2):
 def delete_digest(store, digest) -> bool:
     """Store.delete for a key known only by its digest (MaruStorage keys pages by namespaced digests, and
     Store.delete hashes a key itself): the same steps, shard lock, index removal, block freed."""
-    from maru_shm.format import SHARD_LOCK_BASE
+    from maru_shm.format.layout import SHARD_LOCK_BASE
 
     d = bytes(memoryview(digest).cast("B")) if not isinstance(digest, bytes) else digest
     s = store.index.shard_of(d)
-    with store.locks.hold(SHARD_LOCK_BASE + s, repair=store.publisher.shard_repair(s)):
+    with store.locks.hold(SHARD_LOCK_BASE + s, repair=store._publisher.shard_repair(s)):
         removed = store.index.remove(s, d)
     if removed is None:
         return False

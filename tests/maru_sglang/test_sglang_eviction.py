@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa
 from hicache_helpers import page_indices, prompt_keys  # noqa: E402
 import hicache_helpers as hh  # noqa: E402
 from maru_shm import eviction_settings, remove_pool  # noqa: E402
-from maru_shm.format import AGE_TICK_OFF, U32  # noqa: E402
+from maru_shm.format.layout import AGE_TICK_OFF, U32  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -44,9 +44,9 @@ import hicache_helpers as hh  # noqa: E402
 import maru_sglang  # noqa: E402
 import maru_shm  # noqa: E402
 import mooncake_cluster as mc  # noqa: E402
-from maru_shm import guard as shm_guard  # noqa: E402
+from maru_shm.locking import guard as shm_guard  # noqa: E402
 from maru_shm import StoreError, remove_pool  # noqa: E402
-from maru_shm.lockfile import lock_file_path  # noqa: E402
+from maru_shm.locking.lockfile import lock_file_path  # noqa: E402
 
 from ..conftest import in_finalizer  # noqa: E402
 from ..maru_shm.test_locks import _a_lock_held_by_anyone  # noqa: E402

@@ -15,7 +15,7 @@ pytest.importorskip("sglang", exc_type=ImportError,
 import hicache_helpers as hh  # noqa: E402
 from hicache_helpers import page_bytes, page_indices, prompt_keys  # noqa: E402
 from maru_shm import Store  # noqa: E402
-from maru_shm.format import KIND_EXACT  # noqa: E402
+from maru_shm.format.layout import KIND_EXACT  # noqa: E402
 from maru_shm.index import digest_array  # noqa: E402
 
 pytestmark = pytest.mark.sglang

@@ -111,7 +111,7 @@ class _AskedTier:
 def test_refused_host_indices_never_reach_the_second_tier(mha_llama):
     """The pool's misses go to the second tier with the same host indices: a call refused for its indices
     must not pass them on (the tier would copy outside the host buffer in the pool's stead)."""
-    from maru_sglang.twotier import TwoTiers
+    from maru_sglang.tiers.twotiers import TwoTiers
 
     host, backend = mha_llama
     tier = _AskedTier()

@@ -37,7 +37,7 @@ import hicache_helpers as hh  # noqa: E402
 from hicache_helpers import prompt_keys, slot_indices  # noqa: E402
 from maru_sglang import hybrid  # noqa: E402
 from maru_shm import Store  # noqa: E402
-from maru_shm.format import KIND_EXACT  # noqa: E402
+from maru_shm.format.layout import KIND_EXACT  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 

@@ -268,7 +268,7 @@ def test_maru_shm_inspect_shows_each_processs_second_tier(cluster, tiered, pools
     import subprocess
     import sys
 
-    from maru_sglang.tierstatus import status_dir
+    from maru_sglang.tiers.status import status_dir
 
     n = 5
     keys, want, a = _write_node_a(tiered, pools, cluster, n, "inspect")

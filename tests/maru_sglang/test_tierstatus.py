@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from maru_sglang import tierstatus
+from maru_sglang.tiers import status as tierstatus
 
 
 def test_statuses_round_trip_and_only_live_processes_show(tmp_path):

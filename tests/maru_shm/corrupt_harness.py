@@ -37,13 +37,15 @@ import zlib
 import numpy as np
 
 from maru_shm import LockTimeout, Store, StoreError, remove_pool
-from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT,
-                             ENTRY_SIZE, ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE,
-                             LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL, LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY,
-                             SHARD_HEADER, SHARD_LOCK_BASE, SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE,
-                             UNIT_FREE, UNIT_HEAD, UNIT_TAIL, Geometry, length_sound)
+from maru_shm.format.layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, CLASS_LOCK_BASE, CLASS_STRUCT, ENTRY_SIZE,
+                                    ENTRY_STRUCT, FREE, KIND_UNUSED, LIVE, LOCK_CLASSTAB, LOCK_IDS, LOCK_POOL,
+                                    LOCK_RECORD, META_SIZE, META_STRUCT, PROC_ENTRY, SHARD_HEADER, SHARD_LOCK_BASE,
+                                    SLAB_ENTRY, SLAB_HEAD, STATE_OFF, SUPERBLOCK_SIZE, UNIT_FREE, UNIT_HEAD,
+                                    UNIT_TAIL, length_sound)
+from maru_shm.format.geometry import Geometry
 from maru_shm.index import key_digest
-from maru_shm.poolview import PoolView, report
+from maru_shm.checks.view import PoolView
+from maru_shm.checks.figures import report
 
 from ..conftest import check_value, make_value, write_pool_image
 
@@ -166,7 +168,7 @@ def template() -> Template:
             assert rep.ok, rep.problems
             blocks = {}
             for k in values:
-                found = s.reader.lookup(key_digest(k))
+                found = s._reader.lookup(key_digest(k))
                 blocks[k] = (found[0], found[2])
         with open(path, "rb") as f:
             image = f.read()

@@ -1,4 +1,4 @@
-"""The copy engine (maru_shm/copyengine.py) and the idle-core reading that sizes it (idlecores.py).
+"""The copy engine (maru_shm/copying/copyengine.py) and the idle-core reading that sizes it (idlecores.py).
 
 Every test checks bytes: what the pieces name is copied exactly once, and nothing around them changes.
 """
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_shm import copyengine, copyplan, idlecores
-from maru_shm.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
-from maru_shm.idlecores import IdleCores
+from maru_shm.copying import copyengine, copyplan, idlecores
+from maru_shm.copying.copyengine import CUT, MIN_THREADED_BYTES, MIN_THREADED_PIECE, CopyEngine, merge_runs
+from maru_shm.copying.idlecores import IdleCores
 
 KiB = 1024
 
@@ -202,7 +202,7 @@ def test_the_engine_counts_its_copying_time():
 def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_store, threads):
     """Pages through the vector paths, and single values large enough for the engine on the scalar paths."""
     store = open_store("96M", copy_threads=threads)
-    _always_free(store.engine)
+    _always_free(store._engine)
     rng = np.random.default_rng(threads)
     pages = rng.integers(0, 256, (64, 2, 32 * KiB), dtype=np.uint8)
     pieces = np.array([[[int(p[0].ctypes.data), 32 * KiB], [int(p[1].ctypes.data), 32 * KiB]] for p in pages])
@@ -219,7 +219,7 @@ def test_store_batches_and_large_values_round_trip_on_any_thread_count(open_stor
     assert store.get_pieces("big", [(got.ctypes.data + 4096, len(big))])
     assert np.array_equal(got[4096:-4096], big) and not got[:4096].any() and not got[-4096:].any()
     assert store.batch_get_pieces(["big"], [[(got.ctypes.data + 4096, len(big))]]) == [True]
-    assert (store.engine.batches_threaded > 0) == (threads > 1)
+    assert (store._engine.batches_threaded > 0) == (threads > 1)
 
 
 # ---------------------------------------------------------------- the copy plan (copyplan.py)
@@ -370,7 +370,7 @@ def test_an_exception_at_any_line_of_a_threaded_batch_waits_for_the_workers(monk
     from .test_locks import _interrupt_at_line
 
     def tracer_at(n, seen):
-        return _interrupt_at_line(n, copyengine.__file__, seen)
+        return _interrupt_at_line(n, (copyengine.__file__,), seen)
 
     src, dst = _buffers(32 << 20, seed=11)
     d_off, s_off, nb = _scattered_plan(32 << 20, 1 << 20, seed=11)

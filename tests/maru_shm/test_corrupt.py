@@ -34,8 +34,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from maru_shm import CorruptPoolError, Store
-from maru_shm.format import (CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, META_FLAGS_OFF, SLAB_ENTRY, STATE_OFF, U32,
-                             UNIT_FREE, UNIT_HEAD, length_flags)
+from maru_shm.format.layout import (CHECKSUM_OFF, CLASS_ENTRY, FREE_FLOOR_OFF, META_FLAGS_OFF, SLAB_ENTRY, STATE_OFF,
+                                    U32, UNIT_FREE, UNIT_HEAD, length_flags)
 from maru_shm.index import key_digest
 
 from . import corrupt_harness as H
@@ -310,7 +310,7 @@ def _slab_off(store, u):
 
 
 def _block_of(store, key):
-    return store.reader.lookup(key_digest(key))[0]
+    return store._reader.lookup(key_digest(key))[0]
 
 
 @pytest.mark.parametrize("size", ["1M", "4M"])
@@ -408,7 +408,7 @@ def test_slab_and_class_fields_check_did_not_verify(pool_path, field):
         elif field == "nblocks":
             _u32(s, _slab_off(s, partial) + 20, 0)
         else:
-            empty = next(c for c in range(s.geo.n_geo_classes) if not s.alloc.class_slabs(c))
+            empty = next(c for c in range(s.geo.n_geo_classes) if not s.alloc.slabs.class_slabs(c))
             _u32(s, s.geo.off_classes + empty * CLASS_ENTRY + 24, 1)
         assert not s.check().ok
         s.check(repair=True)
@@ -579,7 +579,7 @@ def test_tail_naming_a_later_head_is_not_a_block_start(pool_path):
             pytest.skip("no TAIL/HEAD pair with a reachable negative block start")
         _u32(s, _slab_off(s, u) + 4, h2)
         assert s.alloc.block_index(off) is None
-        from maru_shm.validity import block_starts_ok
+        from maru_shm.datapath.validity import block_starts_ok
         import numpy as np
         assert not block_starts_ok(s.alloc, s.geo, np.array([off], dtype=np.intp), np.array([1], dtype=np.intp))[0]
 

@@ -28,11 +28,12 @@ import textwrap
 
 import pytest
 
-from maru_shm import NotAPoolError, SizeMismatchError, Store, StoreError, creation, crashpoints
-from maru_shm.format import FREE, LIVE, LOCK_IDS, LOCK_RECORD, META_STRUCT, U64, UNIT_HEAD
+from maru_shm import NotAPoolError, SizeMismatchError, Store, StoreError, crashpoints
+from maru_shm.mapping import creation
+from maru_shm.format.layout import FREE, LIVE, LOCK_IDS, LOCK_RECORD, META_STRUCT, U64, UNIT_HEAD
 from maru_shm.index import Index, key_digest
-from maru_shm.lockfile import lock_file_path
-from maru_shm.locks import lock_name
+from maru_shm.locking.lockfile import lock_file_path
+from maru_shm.locking.locks import lock_name
 
 from ..conftest import make_value
 
@@ -69,7 +70,7 @@ def run_child(pool_path: str, point: str, body: str, *, timeout: float = 60) -> 
 
 def raw_entry(pool_path: str, key) -> tuple[int, int, int]:
     """(entry word, entry offset, word of the block at that offset), read without attaching."""
-    from maru_shm.poolview import PoolView
+    from maru_shm.checks.view import PoolView
     v = PoolView.open(pool_path)
     try:
         idx = Index(v.mm, v.geo)
@@ -115,7 +116,7 @@ def leaked_blocks(s: Store) -> list[str]:
     """Blocks that are not FREE but are not a published, unowned LIVE value (nothing is in flight), other
     than the blocks `s` itself keeps for its next puts (kept.py: spares and old blocks, owned by `s`)."""
     a, g = s.alloc, s.geo
-    ours = {off for items in a.kept.values() for off, _ in items}
+    ours = {off for items in a.kept_blocks.lists.values() for off, _ in items}
     out = []
     for h in [int(u) for u in (a.states == UNIT_HEAD).nonzero()[0]]:
         info = a.classes[int(a.clsfield[h])]
@@ -247,7 +248,8 @@ def test_put_after_alloc_of_a_single_key_leaves_its_spares_to_reaping(pool_path)
         s = Store.open(path)
         s.put("new1", make_value("new1", 1, 3000))
     """)
-    from maru_shm.poolview import PoolView, pool_stats
+    from maru_shm.checks.view import PoolView
+    from maru_shm.checks.figures import pool_stats
     v = PoolView.open(pool_path)
     try:
         assert pool_stats(v)["reserved_blocks"] == 1 + 16  # its block and spare_limit spares (3 KiB blocks)
@@ -400,7 +402,7 @@ def full_pool(pool_path: str) -> dict:
     with Store.open(pool_path, "2M", create=True) as s:
         n = s.geo.n_units * (s.geo.unit_size // BIG)
         expected = seed(s, n, BIG, tag="big")
-        assert s.alloc.find_free_run(1) is None and s.stats()["evictions"] == 0
+        assert s.alloc.runs.find_free_run(1) is None and s.stats()["evictions"] == 0
         return expected
 
 
@@ -535,7 +537,7 @@ def test_slab_mid_free(pool_path):
         per_slab = s.alloc.class_for(WIDE).bps
         n = s.geo.n_units // s.alloc.class_for(WIDE).k * per_slab
         expected = seed(s, n, WIDE, tag="wide")
-        assert s.alloc.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
+        assert s.alloc.runs.find_free_run(s.alloc.class_for(WIDE).k) is None and s.stats()["evictions"] == 0
     run_child(pool_path, "slab.mid_free", """
         s = Store.open(path)
         s.put("other", make_value("other", 1, 70000))
@@ -637,8 +639,8 @@ def create_after_a_killed_creator(pool_path: str, point: str, named: bool, *, bu
     a file system without unnamed files), that file; the next creator, of another size, makes its own pool
     with that lock file and removes the leftover."""
     run_child(pool_path, point, f"""
-        import maru_shm.creation
-        maru_shm.creation._UNNAMED = {not named}
+        import maru_shm.mapping.creation
+        maru_shm.mapping.creation._UNNAMED = {not named}
         Store.open(path, "8M", create=True)
     """)
     assert not os.path.lexists(pool_path)
@@ -696,8 +698,8 @@ def test_lock_held_INIT_creating(pool_path):
 def test_create_published(pool_path, named):
     """The creator dies with its pool at the path, INIT still held: the pool is whole, with its lock file."""
     run_child(pool_path, "create.published", f"""
-        import maru_shm.creation
-        maru_shm.creation._UNNAMED = {not named}
+        import maru_shm.mapping.creation
+        maru_shm.mapping.creation._UNNAMED = {not named}
         Store.open(path, "8M", create=True)
     """)
     assert creation_leftovers(pool_path) == []

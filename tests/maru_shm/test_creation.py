@@ -22,8 +22,9 @@ import random
 
 import pytest
 
-from maru_shm import SizeMismatchError, Store, StoreError, crashpoints, creation, destroy_pool
-from maru_shm.lockfile import lock_file_path
+from maru_shm import SizeMismatchError, Store, StoreError, crashpoints, destroy_pool
+from maru_shm.mapping import creation
+from maru_shm.locking.lockfile import lock_file_path
 
 SIZES = {"4M": 4 << 20, "6M": 6 << 20, "8M": 8 << 20}
 STEPS = ("create.lock_file", "lock.held.INIT", "init.mid_header", "create.before_publish", "create.published")

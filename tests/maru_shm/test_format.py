@@ -12,9 +12,10 @@ import pytest
 
 from maru_shm import (CorruptPoolError, remove_pool, NotAPoolError, PermissionDeniedError, SizeMismatchError, Store,
                       StoreError, TruncatedPoolError, VersionError)
-from maru_shm.format import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
-                             META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
-                             SUPERBLOCK_SIZE, U32, VERSION, Geometry, granule_for, shard_limit)
+from maru_shm.format.layout import (CHECKSUM_OFF, CLASS_CAP, CLASS_ENTRY, ENTRY_SIZE, LOCK_IDS, LOCK_RECORD, MAGIC,
+                                    META_SIZE, PROC_ENTRY, SHARD_HEADER, SLAB_ENTRY, STATE_OFF, STATE_READY,
+                                    SUPERBLOCK_SIZE, U32, VERSION, granule_for, shard_limit)
+from maru_shm.format.geometry import Geometry
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -202,8 +203,8 @@ def _patch(path: str, off: int, data: bytes) -> None:
 def test_a_pool_made_with_relation_records_opens_and_evicts_as_any_other(pool_path, monkeypatch):
     """Pools made by versions with relation records carry flag bit 1 and their region between the block metas and
     the data (FORMAT.md section 1): this version opens them, leaves the region alone and evicts as usual."""
-    from maru_shm import poolfile
-    from maru_shm.format import FLAG_RETIRED
+    from maru_shm.mapping import poolfile
+    from maru_shm.format.layout import FLAG_RETIRED
     plan = Geometry.plan
     monkeypatch.setattr(poolfile.Geometry, "plan", staticmethod(
         lambda size, **kw: plan(size, **dict(kw, flags=kw.get("flags", 0) | FLAG_RETIRED))))
@@ -388,7 +389,7 @@ def test_creator_that_died_midway_is_redone(closed_pool):
 # ---------------------------------------------------------------- word stores
 
 def _flip_words(path, off, a, b, go_fd):
-    from maru_shm.format import store_u64
+    from maru_shm.format.layout import store_u64
     import mmap as _mmap
     fd = os.open(path, os.O_RDWR)
     mm = _mmap.mmap(fd, 4096)
@@ -404,7 +405,7 @@ def test_word_store_is_never_seen_torn_by_another_process(pool_path, children):
     struct.pack_into zero-fills before writing, which another process can observe as 0 (= FREE):
     every block meta / index word goes through format.store_u64 instead.
     """
-    from maru_shm.format import U64, store_u64
+    from maru_shm.format.layout import U64, store_u64
     import mmap as _mmap
     with open(pool_path, "wb") as f:
         f.write(bytes(4096))
@@ -495,7 +496,7 @@ def test_creating_a_pool_larger_than_its_tmpfs_fails_cleanly(small_tmpfs):
 
 
 # Every field of every mapped record at the offset (and of the size) docs/FORMAT.md gives it, reserved bytes
-# included: the records are declared once in format.py, with offsets that follow from the field sizes, so
+# included: the records are declared once in format/layout.py, with offsets that follow from the field sizes, so
 # this table is what keeps an edit there from moving a field silently. (record, size, [(field, offset,
 # bytes)]), FORMAT.md sections 2, 3, 4, 5, 6, 7 and 10.
 FORMAT_TABLES = [
@@ -531,8 +532,8 @@ FORMAT_TABLES = [
 
 @pytest.mark.parametrize("record,size,fields", FORMAT_TABLES, ids=[t[0] for t in FORMAT_TABLES])
 def test_every_field_of_a_record_sits_where_format_md_puts_it(record, size, fields):
-    from maru_shm import format as F
-    from maru_shm.records import field_off, field_size
+    from maru_shm.format import layout as F
+    from maru_shm.format.records import field_off, field_size
     layout = getattr(F, record)
     assert layout.itemsize == size
     assert list(layout.names) == [f for f, _, _ in fields], "a field added, removed or reordered"
@@ -544,7 +545,7 @@ def test_every_field_of_a_record_sits_where_format_md_puts_it(record, size, fiel
 
 def test_the_constants_and_structs_every_reader_uses_follow_the_declarations():
     """A sample of the derived names, at FORMAT.md's values, and each struct covering its fields."""
-    from maru_shm import format as F
+    from maru_shm.format import layout as F
     assert (F.CHECKSUM_OFF, F.STATE_OFF, F.SLAB_HAND_OFF, F.CLASSES_VERSION_OFF, F.RETIRED_OFF, F.DEMAND_EPOCH_OFF,
             F.DEMAND_ACC_OFF, F.FREE_FLOOR_OFF, F.AGE_TICK_OFF, F.HEALS_OFF) == (
         252, 256, 260, 264, 272, 400, 408, 416, 420, 424)

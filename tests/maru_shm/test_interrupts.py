@@ -23,9 +23,11 @@ import weakref
 import pytest
 
 import maru_shm
-from maru_shm import Store, copyengine, locks, remove_pool
+from maru_shm import Store, remove_pool
+from maru_shm.copying import copyengine
+from maru_shm.locking import locks
 from maru_shm.allocator import blockclock
-from maru_shm.format import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
+from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
 from ..conftest import in_finalizer, make_value, reserve, value_version
 from .test_locks import _a_lock_held_by_anyone, _interrupt_at_line
@@ -127,7 +129,7 @@ def _repair_dirty_domains(s: Store) -> None:
         if LOCK_RECORD.unpack_from(s.mm, s.geo.off_locks + lock_id * LOCK_RECORD.size)[0] == 0:
             continue
         if lock_id >= SHARD_LOCK_BASE:
-            section = s.locks.hold(lock_id, repair=s.publisher.shard_repair(lock_id - SHARD_LOCK_BASE))
+            section = s.locks.hold(lock_id, repair=s._publisher.shard_repair(lock_id - SHARD_LOCK_BASE))
         elif lock_id >= CLASS_LOCK_BASE:
             section = s.alloc.locks.class_lock(lock_id - CLASS_LOCK_BASE)
         elif lock_id == LOCK_POOL:
@@ -232,7 +234,7 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, mo
     key is deleted nothing is reserved or held; no read returns bytes of another value."""
     rng, model, outer = random.Random(39), _Model(), sys.gettrace()
     s = Store.open(pool_path, "32M", create=True, max_value="1M", copy_threads=3, timeout=5.0)
-    s.engine.cores.free = lambda: s.engine.threads  # every core idle: the threaded path is the one under test
+    s._engine.cores.free = lambda: s._engine.threads  # every core idle: the threaded path is the one under test
     monkeypatch.setattr(copyengine, "BACKOFF", 0)  # and workers a loaded machine leaves unscheduled keep it so
     outs = [bytearray(512 << 10) for _ in BIG]
 
@@ -257,7 +259,7 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, mo
                 where, interrupts = str(e), interrupts + 1
             finally:
                 sys.settrace(outer)
-            assert s.engine.in_flight() == 0, f"a worker still copies after the interrupt at {where}"
+            assert s._engine.in_flight() == 0, f"a worker still copies after the interrupt at {where}"
             assert not model.wrong, (where, model.wrong)
             assert _a_lock_held_by_anyone(pool_path) is None, where
         _repair_dirty_domains(s)
@@ -269,7 +271,7 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, mo
         s.alloc.free_kept()
         st = s.stats()
         assert (st["reserved_blocks"], st["held_blocks"], st["live_blocks"]) == (0, 0, 0), st
-        assert interrupts > 100 and s.engine.batches_threaded > 20, (interrupts, s.engine.batches_threaded)
+        assert interrupts > 100 and s._engine.batches_threaded > 20, (interrupts, s._engine.batches_threaded)
     finally:
         sys.settrace(outer)
         s.close()
@@ -284,7 +286,7 @@ def test_the_tracers_never_interrupt_a_finalizer():
         pass
     outer, seen_locks, results = sys.gettrace(), [0], []
     tracers = {"_tracer": _tracer(1, [], False),
-               "_interrupt_at_line": (_interrupt_at_line(1, locks.__file__, seen_locks), seen_locks)}
+               "_interrupt_at_line": (_interrupt_at_line(1, (locks.__file__,), seen_locks), seen_locks)}
     for name, (tracer, seen) in tracers.items():
         thing = Thing()
         finalizer = weakref.finalize(thing, locks._forget_thread_fd, weakref.ref(Thing()), -1)  # table gone
@@ -375,7 +377,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     gets: one orphan each."""
     s = _full_of_one_class(pool_path)
     seen = [0]
-    sys.settrace(_interrupt_at_line(None, blockclock.__file__, seen))
+    sys.settrace(_interrupt_at_line(None, (blockclock.__file__,), seen))
     try:
         assert s.put("new", make_value("new", 1, 6000))
     finally:
@@ -385,7 +387,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     for n in range(1, seen[0] + 1):
         s = _full_of_one_class(pool_path)
         try:
-            sys.settrace(_interrupt_at_line(n, blockclock.__file__))
+            sys.settrace(_interrupt_at_line(n, (blockclock.__file__,)))
             try:
                 s.put("new", make_value("new", 1, 6000))
             except KeyboardInterrupt:

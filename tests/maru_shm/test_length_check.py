@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from maru_shm import Store
-from maru_shm.format import (FLAG_PINNED, LENGTH_CHECK_BITS, META_FLAGS_OFF, META_LENGTH_OFF, length_flags,
-                             length_sound)
+from maru_shm.format.layout import (FLAG_PINNED, LENGTH_CHECK_BITS, META_FLAGS_OFF, META_LENGTH_OFF, length_flags,
+                                    length_sound)
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, make_value

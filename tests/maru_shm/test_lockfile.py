@@ -26,11 +26,10 @@ import stat
 import pytest
 
 from maru_shm import (LockFileError, PermissionDeniedError, PoolView, Store, VersionError, check_pool, destroy_pool,
-                      repair_pool,
-                      pool_report)
-from maru_shm.format import LOCK_BOOT_OFF, LOCK_FILE_HEAD, LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF, U32
-from maru_shm.lockfile import lock_file_path
-from maru_shm.poolview import processes
+                      repair_pool, pool_report)
+from maru_shm.format.layout import LOCK_BOOT_OFF, LOCK_FILE_HEAD, LOCK_IDENTITY, LOCK_IDENTITY_OFF, POOL_UUID_OFF, U32
+from maru_shm.locking.lockfile import lock_file_path
+from maru_shm.checks.figures import processes
 
 from ..conftest import check_value, make_value
 from . import test_permissions

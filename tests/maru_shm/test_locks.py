@@ -13,11 +13,12 @@ import time
 import pytest
 
 from maru_shm import LockTimeout, PoolInUseError, Store, StoreError
-from maru_shm import locks as locks_mod
-from maru_shm.format import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL, LOCK_PROC,
-                             LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE, UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
+from maru_shm.locking import locks as locks_mod, ofd as ofd_mod
+from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
+                                    LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE,
+                                    UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
-from maru_shm.lockfile import lock_file_path
+from maru_shm.locking.lockfile import lock_file_path
 
 from ..conftest import assert_clean, in_finalizer, reserve, value_version
 
@@ -150,7 +151,7 @@ def _wait_for_a_held_lock(wait, path, store):
         Store.open(path, timeout=TIMEOUT)
     elif wait == "section":  # locks.LockTable: a section lock of a put
         store.put("victim", b"x" * 100)
-    elif wait == "check":  # livecheck: a shared lock of the live check
+    elif wait == "check":  # checks/check.py: a shared lock of the live check
         check_pool(path, timeout=TIMEOUT)
     else:  # admin: PROC, while destroy decides
         destroy_pool(path, timeout=TIMEOUT)
@@ -234,7 +235,7 @@ def test_close_settles_blocks_it_still_owns(open_store, pool_path, make_value):
     # the slot is reused by the next process: nothing may look owned by it
     again = open_store(path=pool_path, create=False)
     assert again.slot == 1
-    assert again.reaper.owned_blocks(again.slot) == []
+    assert again._reaper.owned_blocks(again.slot) == []
 
 
 # ---------------------------------------------------------------- dirty records and repair
@@ -276,7 +277,7 @@ def _fill(s, make_value, prefix, n, size):
 def _damage_class(cid):
     def damage(s):
         # wreck every derived field of the class: bitmaps say free, counts and partial list are garbage
-        for h in s.alloc.class_slabs(cid):
+        for h in s.alloc.slabs.class_slabs(cid):
             so = s.geo.slab_entry(h)
             s.mm[so + SLAB_BITMAP:so + SLAB_BITMAP + 32] = bytes(32)
             U32.pack_into(s.mm, so + SLAB_NFREE, 9999)
@@ -584,7 +585,7 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
     import gc
 
     from maru_shm import Store
-    from maru_shm.locks import LockTable
+    from maru_shm.locking.locks import LockTable
     Store.open(pool_path, "4M", create=True).close()
 
     def tables() -> int:
@@ -605,15 +606,19 @@ def _a_lock_held_by_anyone(path) -> str | None:
     of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
     fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
     try:
-        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, locks_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
+        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, ofd_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
     finally:
         os.close(fd)
-    kind, _, start, _, _ = locks_mod._FLOCK.unpack(res)
+    kind, _, start, _, _ = ofd_mod._FLOCK.unpack(res)
     return None if kind == fcntl.F_UNLCK else locks_mod.lock_name(start - LOCK_BASE)
 
 
-def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, seen: list | None = None):
-    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_file` (as a
+# The lock layer: the lock table and the OFD calls under it.
+LOCK_LAYER = (locks_mod.__file__, ofd_mod.__file__)
+
+
+def _interrupt_at_line(n: int | None, module_files: tuple = LOCK_LAYER, seen: list | None = None):
+    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_files` (as a
     SIGINT would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a
     trace function that raises: one interrupt. Finalizers are not traced (conftest.in_finalizer)."""
     seen = [0] if seen is None else seen
@@ -626,7 +631,7 @@ def _interrupt_at_line(n: int | None, module_file: str = locks_mod.__file__, see
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code.co_filename == module_file and not in_finalizer(frame) else None
+        return local if frame.f_code.co_filename in module_files and not in_finalizer(frame) else None
     return calls
 
 
@@ -679,7 +684,7 @@ def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open
     repair (KeyboardInterrupt) cleared the dirty mark of a domain a dead holder had left, unrepaired. Now the
     marks stay when the locks are given back, and the cut call, before its exception leaves the store, is
     the next holder of each: the domain is repaired, then the mark cleared."""
-    import maru_shm.check as check_mod
+    import maru_shm.checks.repair as check_mod
 
     s = open_store("4M")
     lock_id = SHARD_LOCK_BASE + 3
@@ -693,8 +698,8 @@ def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open
         raise KeyboardInterrupt("inside the repair")
     monkeypatch.setattr(check_mod, "_repair_all", interrupted)
     repaired = []
-    real = s.publisher.repair_shard_lock
-    monkeypatch.setattr(s.publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
+    real = s._publisher.repair_shard_lock
+    monkeypatch.setattr(s._publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
     with pytest.raises(KeyboardInterrupt):
         s.check(repair=True)
     assert _a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()

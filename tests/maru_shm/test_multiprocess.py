@@ -432,14 +432,14 @@ def test_threads_share_one_store(open_store, tmp_path):
 
 def _die_at_every_crash_point(path, ready_fd):
     import ctypes
-    from maru_shm.format import LIVE, SHARD_LOCK_BASE, U64
+    from maru_shm.format.layout import LIVE, SHARD_LOCK_BASE, U64
     s = Store.open(path)
     info = s.alloc.class_for(9000)
 
     def reserve(key):
         [off] = reserve_blocks(s, info, [key], 9000)
         v = make_value(key, 1, 9000)
-        ctypes.memmove(s.data_address + off, v, len(v))
+        ctypes.memmove(s._att.data + off, v, len(v))
         return off
 
     def commit(off):
@@ -481,7 +481,7 @@ def test_every_crash_point_is_recovered(pool_path, children):
         assert s.get("bystander") == make_value("bystander", 1, 9000)  # nothing else lost
         for k in ("reserved", "committed", "orphan"):
             assert s.get(k) is None
-        assert s.reaper.owned_blocks(0) == [] and all(s.reaper.owned_blocks(p) == [] for p in range(4))
+        assert s._reaper.owned_blocks(0) == [] and all(s._reaper.owned_blocks(p) == [] for p in range(4))
         problems = s.check().problems  # the orphan is left to repair (or slab eviction)
         assert len(problems) == 1 and "orphan" in problems[0], problems
         assert s.check(repair=True).ok
@@ -532,12 +532,12 @@ def test_check_of_a_pool_in_use_reports_no_false_problems(pool_path, children):
 def _slow_backward_shift(path, da, hole, ready_fd, class_lock, fake_holder):
     """Delete `da` (the head of a two-entry cluster) as a backward shift that pauses after its first
     store (the hole emptied, the next entry not yet moved into it) until a repair is under way."""
-    from maru_shm.format import LOCK_RECORD, SHARD_LOCK_BASE, store_u64
+    from maru_shm.format.layout import LOCK_RECORD, SHARD_LOCK_BASE, store_u64
     s = Store.open(path, timeout=20)
     sh = s.index.shard_of(da)
     s.locks.acquire(SHARD_LOCK_BASE + sh)
     word, off = s.index.find(da)
-    s.publisher.claim_for_free(off, word)
+    s._publisher.claim_for_free(off, word)
     e = s.index.entry_off(sh, hole)
     store_u64(s.mm, e + 16, 0)  # first store of the shift: a lock-free probe for the next key stops here
     os.write(ready_fd, b"1")
@@ -557,7 +557,7 @@ def test_class_repair_waits_for_a_backward_shift_in_progress(pool_path, children
     """Class repair keeps a LIVE block only if the index points at it. Asked without the shard lock
     while another process is shifting that shard's entries back, the index can answer "not indexed"
     for a published block, and the repair frees it: the key is lost. Asked under the lock, it waits."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_RECORD
     with Store.open(pool_path, "8M", create=True, timeout=20) as s:
         seen, i = {}, 0
         while True:  # two keys with the same shard and home slot: b sits right after a

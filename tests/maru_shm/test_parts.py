@@ -10,7 +10,7 @@ import pytest
 from maru_shm import PoolInUseError, Store, check_pool, destroy_pool, key_digest
 from maru_shm.allocator import Allocator, AllocatorHost
 from maru_shm.store import AllocatorServices
-from maru_shm.validity import check_entries, check_entry
+from maru_shm.datapath.validity import check_entries, check_entry
 
 
 def _protocol_members(proto) -> set[str]:
@@ -18,8 +18,8 @@ def _protocol_members(proto) -> set[str]:
 
 
 def test_the_store_and_the_read_only_check_each_provide_every_member_of_the_allocator_host(pool_path):
-    from maru_shm.livecheck import _Pool
-    from maru_shm.poolview import PoolView
+    from maru_shm.checks.check import _Pool
+    from maru_shm.checks.view import PoolView
     members = _protocol_members(AllocatorHost)
     assert {"geo", "mm", "locks", "owner", "count", "slot_alive", "indexed_many", "unpublish_many"} <= members
     with Store.open(pool_path, "16M", create=True) as s:
@@ -61,7 +61,7 @@ class RecordingHost:
 def test_the_allocator_needs_nothing_but_its_host(pool_path):
     """Allocate a class full, commit the blocks LIVE and unowned, and evict them: the allocator asks its
     host to unpublish the victims and counts the evictions there, and never reaches the Store."""
-    from maru_shm.format import CLASS_LOCK_BASE, LIVE, META_OWNER_OFF, U16, U64, next_word, store_u64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LIVE, META_OWNER_OFF, U16, U64, next_word, store_u64
     with Store.open(pool_path, "16M", create=True) as s:
         host = RecordingHost(s)
         alloc = Allocator(host)
@@ -75,7 +75,7 @@ def test_the_allocator_needs_nothing_but_its_host(pool_path):
                 store_u64(s.mm, m, next_word(U64.unpack_from(s.mm, m)[0], LIVE))
                 U16.pack_into(s.mm, m + META_OWNER_OFF, 0)
             with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-                freed = alloc.evict_blocks(info, 4)
+                freed = alloc.clock.evict_blocks(info, 4)
             assert freed == 4 and host.unpublished == 4
             assert host.counted["evictions"] == 4
         finally:

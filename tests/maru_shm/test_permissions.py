@@ -25,8 +25,8 @@ import traceback
 import pytest
 
 from maru_shm import PermissionDeniedError, Store
-from maru_shm.access import lock_file_mode
-from maru_shm.lockfile import lock_file_path, open_lock_file
+from maru_shm.locking.access import lock_file_mode
+from maru_shm.locking.lockfile import lock_file_path, open_lock_file
 
 from ..conftest import check_value, make_value
 

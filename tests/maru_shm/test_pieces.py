@@ -1,4 +1,4 @@
-"""Piece tables: the flattening every batch copy loop runs on (maru_shm/pieces.py)."""
+"""Piece tables: the flattening every batch copy loop runs on (maru_shm/copying/pieces.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from maru_shm.pieces import PieceTable, piece_lengths
+from maru_shm.copying.pieces import PieceTable, piece_lengths
 
 
 def _lists(t, rows, bases):

@@ -1,4 +1,4 @@
-"""Batched lock-free lookups (maru_shm/resolve.py) agree with the scalar probe, however far keys sit
+"""Batched lock-free lookups (maru_shm/datapath/resolve.py) agree with the scalar probe, however far keys sit
 from their home slots."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 from maru_shm import Store
 from maru_shm.index import digest_array, key_digest
 from maru_shm.index.table import ABSENT, UNDECIDED
-from maru_shm.resolve import PROBE_WINDOW
+from maru_shm.datapath.resolve import PROBE_WINDOW
 
 
 def _halves(keys):
@@ -43,7 +43,7 @@ def test_batch_lookup_matches_the_scalar_probe_in_a_crowded_index(pool_path, mak
         assert res.ok[:len(keys)].all() and not res.ok[len(keys):].any()
         assert (res.lengths[:len(keys)] == 2000).all()
         for k, off in zip(keys, res.offsets[:len(keys)].tolist()):
-            assert s.reader.lookup(key_digest(k))[0] == off
+            assert s._reader.lookup(key_digest(k))[0] == off
         got = [bytearray(2000) for _ in range(len(keys))]
         buf = [np.frombuffer(g, dtype=np.uint8) for g in got]
         assert all(s.batch_get_pieces(keys, [[(b.ctypes.data, 2000)] for b in buf]))

@@ -66,8 +66,8 @@ def test_truncation_under_a_read_only_view_is_an_error_not_sigbus(pool_path):
     out = run_py("""
         import os, sys
         from maru_shm import PoolDamagedError, PoolView, Store, pool_report
-        from maru_shm.livecheck import check_live
-        from maru_shm.poolview import class_table, counters, pool_stats, processes
+        from maru_shm.checks.check import check_live
+        from maru_shm.checks.figures import class_table, counters, pool_stats, processes
         path = sys.argv[1]
         with Store.open(path, "32M", create=True) as s:
             for i in range(64):
@@ -134,10 +134,11 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
     out = run_py("""
         import os, sys, threading, time
         import numpy as np
-        from maru_shm import Store, PoolDamagedError, copyengine
+        from maru_shm import Store, PoolDamagedError
+        from maru_shm.copying import copyengine
         path = sys.argv[1]
         s = Store.open(path, "128M", create=True, copy_threads=2)
-        s.engine.cores.free = lambda: 2  # however busy the machine: the workers copy
+        s._engine.cores.free = lambda: 2  # however busy the machine: the workers copy
         copyengine.BACKOFF = 0  # every batch, even after workers that were slow to help
         page = 512 << 10  # at or above MIN_THREADED_PIECE: threaded whatever the blocks' layout
         src = np.random.default_rng(1).integers(0, 256, 16 * page, dtype=np.uint8)
@@ -155,7 +156,7 @@ def test_truncation_inside_threaded_batch_copies_is_an_error_not_sigbus(pool_pat
                 n += 1
         except PoolDamagedError:
             outcome = "damaged"
-        print("outcome", outcome, "batches", n, "threaded", s.engine.batches_threaded)
+        print("outcome", outcome, "batches", n, "threaded", s._engine.batches_threaded)
         s.close()
     """, pool_path)
     assert "outcome damaged" in out, out

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from maru_shm import Store
-from maru_shm.sizeclasses import geometric_sizes, slab_shape
-from maru_shm.format import KIND_EXACT, KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB
+from maru_shm.format.sizeclasses import geometric_sizes, slab_shape
+from maru_shm.format.layout import KIND_EXACT, KIND_GEOMETRIC, MAX_BLOCKS_PER_SLAB
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean

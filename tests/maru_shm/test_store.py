@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from maru_shm import PoolClosedError, Store, ValueTooLargeError
-from maru_shm.format import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
+from maru_shm.format.layout import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
 from maru_shm.index import key_digest
 
 from ..conftest import assert_clean, check_value, make_value
@@ -112,7 +112,7 @@ def test_counters_publish_per_call_and_wrap_past_2_64(store):
     store.get_into("missing", bytearray(100))
     st = store.stats()
     assert (st["puts"], st["hits"], st["misses"], st["bytes_read"]) == (1, 1, 1, 100)
-    store.counters.values[COUNTER_NAMES.index("bytes_written")] += 2**64
+    store._counters.values[COUNTER_NAMES.index("bytes_written")] += 2**64
     assert store.put("k2", b"w" * 10)
     assert store.stats()["bytes_written"] == 110
 
@@ -456,3 +456,21 @@ def test_values_of_the_size_a_pool_is_created_for_fill_its_data_area_before_its_
         st = s.stats()
         assert st["evictions"] == 0 and st["entries"] >= n
         assert st["live_bytes"] == n * 1024 and s.batch_exists([f"v{j}" for j in range(n)]) == [True] * n
+
+
+# The Store's face: the calls SGLang's backend, the command line and the benchmarks make, and read-only
+# views of the attached pool (its geometry, and for the store's own modules and the tests the mapping, lock
+# table, index and allocator, and slot_alive: what the checks ask of the pool they check). Its parts (`_att`, `_procs`, `_reader`, ...) are internal.
+STORE_FACE = {
+    "open", "close", "populate", "lost", "count_heal", "reap_dead", "declare_size",
+    "get", "get_into", "get_pieces", "batch_get_into", "batch_get_pieces", "exists", "batch_exists",
+    "leading_hits", "length_of", "maybe_present", "resolve", "touch",
+    "put", "put_pieces", "batch_put", "batch_put_pieces", "delete", "pin",
+    "check", "counts", "stats", "slot_alive",
+    "path", "created", "slot", "timeout", "max_value", "geo", "policy", "mm", "locks", "index", "alloc",
+}
+
+
+def test_the_store_face_is_what_its_clients_call(store):
+    public = {n for n in set(dir(Store)) | set(vars(store)) if not n.startswith("_")}
+    assert public == STORE_FACE, (sorted(public - STORE_FACE), sorted(STORE_FACE - public))

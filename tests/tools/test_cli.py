@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from maru_shm import Store, remove_pool
-from maru_shm.format import (ENTRY_SIZE, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_ENTRY, UNIT_HEAD,
-                             Geometry)
+from maru_shm.format.layout import ENTRY_SIZE, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_BITMAP, SLAB_ENTRY, UNIT_HEAD
+from maru_shm.format.geometry import Geometry
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -111,7 +111,7 @@ for line in sys.stdin:
         ok = sum(s.put(f"w{base + i}", os.urandom(3000 + i)) for i in range(n))
         print("ok", ok, flush=True)
     elif cmd == "hold":  # take every shard lock and POOL, and keep them (as a writer stuck inside would)
-        from maru_shm.format import LOCK_POOL, SHARD_LOCK_BASE
+        from maru_shm.format.layout import LOCK_POOL, SHARD_LOCK_BASE
         for lock_id in [LOCK_POOL] + [SHARD_LOCK_BASE + i for i in range(s.geo.index_shards)]:
             s.locks.acquire(lock_id)
         print("held", flush=True)
@@ -358,7 +358,8 @@ def test_watch_survives_the_pool_truncated_under_it(pool_path):
 
 def test_store_stats_and_inspect_agree(pool_path):
     fill(pool_path)
-    from maru_shm.poolview import PoolView, class_table, pool_stats
+    from maru_shm.checks.view import PoolView
+    from maru_shm.checks.figures import class_table, pool_stats
     with Store.open(pool_path) as s:
         st = s.stats()
         with PoolView.open(pool_path) as v:

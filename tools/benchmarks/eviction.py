@@ -31,7 +31,7 @@ from collections import OrderedDict
 import numpy as np
 
 from maru_shm import format_size, remove_pool
-from maru_shm.format import LIVE, META_REF_OFF
+from maru_shm.format.layout import LIVE, META_REF_OFF
 
 from .registry import figure, progress_of, scenario
 

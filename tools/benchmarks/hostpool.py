@@ -234,7 +234,7 @@ def datapath(page_size: int, repeat: int, pool: str | None = None) -> dict:
     t = {k: [] for k in names}
     busy = {k: [] for k in names}
     try:
-        engine, threaded = maru.store.engine, {}
+        engine, threaded = maru.store._engine, {}
         for phase, into in (("idle", t), ("busy", busy)):
             before = (engine.batches_threaded, engine.batches_alone)
             with (BusyCores() if phase == "busy" else contextlib.nullcontext()):

@@ -64,6 +64,7 @@ import os
 import sys
 import time
 
+from .. import argtypes
 from . import (capacity, datapath, e2e, eviction, hybrid, lookup, mixed, mixshift, ops, prefixtree, scaling,
                serving_kill, serving_load, tier2)
 from .registry import SCENARIOS, Progress
@@ -83,7 +84,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--charts", metavar="DIR", help="also write PNG charts of the results into DIR (matplotlib)")
     p.add_argument("--charts-note", default="", help="text for every chart's footer (e.g. provisional)")
     g = p.add_argument_group("eviction")
-    g.add_argument("--eviction-pools", default="256M,512M,1G", type=_size_list,
+    g.add_argument("--eviction-pools", default="256M,512M,1G", type=argtypes.sizes,
                    help="pool sizes, comma separated (default 256M,512M,1G)")
     g.add_argument("--eviction-keys", type=int, default=12_000, help="key population (default 12000)")
     g.add_argument("--eviction-requests", type=int, default=100_000, help="trace length (default 100000)")
@@ -118,7 +119,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
                    "(torch's own) (default both)")
     g.add_argument("--serving-backends", type=_names, help="none, file, mooncake, maru (default all)")
     g.add_argument("--serving-workloads", type=_names, help="gsp, mooncake (default both)")
-    g.add_argument("--serving-pools", default="1G,96M", type=_size_list,
+    g.add_argument("--serving-pools", default="1G,96M", type=argtypes.sizes,
                    help="budgets of the bounded L3s (maru, mooncake), comma separated (default 1G,96M: one holds "
                         "the default workloads, one forces eviction)")
     g.add_argument("--serving-seeds", type=_seed_list, help="client seeds, comma separated (default 1)")
@@ -157,13 +158,6 @@ def _trace_cut(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected sessions,records per session,max hash ids: {text!r}")
     return xs
 
-
-def _size_list(text: str) -> list[int]:
-    from maru_shm import parse_size
-    try:
-        return [parse_size(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 def _ints(text: str) -> list[int]:
     """Comma-separated integers, in the order given."""

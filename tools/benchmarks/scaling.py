@@ -52,7 +52,7 @@ class _LockMeter:
     """Child-only wrap of the lock path: time inside acquire, and acquisitions that had to wait."""
 
     def __init__(self):
-        import maru_shm.locks as locks
+        import maru_shm.locking.locks as locks
         self.locks = locks
         self.acquire_ns = self.wait_ns = self.acquires = self.waited = 0
         self._busy = False

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from maru_shm import EvictionSettings, Store, eviction_settings, remove_pool
-from maru_shm.format import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, CLASS_LOCK_BASE, CLS_HAND, DEMAND_ACC_OFF,
-                             DEMAND_EPOCH_OFF, FLAG_AGE, U32, U64)
+from maru_shm.format.layout import (AGE_CLAMP, AGE_TICK_OFF, AGE_TICKS, CLASS_LOCK_BASE, CLS_HAND, DEMAND_ACC_OFF,
+                                    DEMAND_EPOCH_OFF, FLAG_AGE, U32, U64)
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -24,7 +24,7 @@ def _granules(s, info):
     """The granules of the class's blocks in ring order (slabs by head unit, then block index)."""
     a = s.alloc
     return np.array([(h * s.geo.unit_size + i * info.block) // s.geo.granule
-                     for h in a.class_slabs(info.cid) for i in range(info.bps)])
+                     for h in a.slabs.class_slabs(info.cid) for i in range(info.bps)])
 
 
 def _set_tick(s, tick: int) -> None:
@@ -87,7 +87,7 @@ def test_an_age_class_evicts_its_oldest_blocks_ties_from_the_hand(open_store):
     a.meta_refs[g[1]] = (now - 200) & 0xFF  # past the clamp
     U64.pack_into(s.mm, a.geo.class_entry(info.cid) + CLS_HAND, 0)
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 5) == 5
+        assert a.clock.evict_blocks(info, 5) == 5
     words = a.meta_words[g] & np.uint64(3)
     gone = set(np.flatnonzero(words == 0).tolist())
     assert gone == {1, 5, 9, n - 2, 3}, "the oldest: the clamped one, the three 40 old, then the first 10 old"
@@ -97,7 +97,7 @@ def test_an_age_class_evicts_its_oldest_blocks_ties_from_the_hand(open_store):
     assert ring_of[((hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block) // s.geo.granule] == n - 1
     a.meta_refs[g[0]] = (now - 250) & 0xFF
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 1) == 1
+        assert a.clock.evict_blocks(info, 1) == 1
     assert a.meta_words[g[0]] & np.uint64(3) == 0  # the oldest again (the scan wraps past the hand)
     assert_clean(s)
 
@@ -116,12 +116,12 @@ def test_a_clamped_stamp_stays_old_until_the_next_eviction(open_store):
     a.meta_refs[g[4]] = (5000 - 129) & 0xFF
     U64.pack_into(s.mm, a.geo.class_entry(info.cid) + CLS_HAND, 0)
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 1) == 1  # ties: the first from the hand
+        assert a.clock.evict_blocks(info, 1) == 1  # ties: the first from the hand
     assert a.meta_words[g[2]] & np.uint64(3) == 0
     assert a.meta_refs[g[4]] == (5000 - AGE_CLAMP) & 0xFF  # clamped, not evicted
     _set_tick(s, 5000 + 127)
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 1) == 1
+        assert a.clock.evict_blocks(info, 1) == 1
     assert a.meta_words[g[4]] & np.uint64(3) == 0, "the clamped block is still the oldest"
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from maru_shm.allocator.policy import Settings
-from maru_shm.sizeclasses import geometric_sizes
-from maru_shm.format import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
-from maru_shm.allocator.kept import spare_limit
+from maru_shm.format.sizeclasses import geometric_sizes
+from maru_shm.format.layout import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
+from maru_shm.allocator.keptblocks import keep_limit, spare_limit
 from maru_shm.index import key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -77,7 +77,7 @@ def _churn(s, prefix, size, times):
 
 def _live_fraction(s, size):
     """Fraction of the data area holding live values of exactly `size` bytes."""
-    from maru_shm.poolview import class_table
+    from maru_shm.checks.figures import class_table
     rows = [r for r in class_table(s) if r["block_size"] == s.alloc.class_for(size).block]
     return sum(r["live_bytes"] for r in rows) / s.geo.data_bytes
 
@@ -142,7 +142,7 @@ def test_batch_spanning_a_partial_slab_and_an_eviction_keeps_its_blocks(open_sto
     """One allocate call takes the last free blocks of a partial slab, then must evict to make room for
     the rest, and the slab CLOCK hand points at that very slab: the blocks already taken carry their
     owner by then, so the eviction skips the slab instead of freeing (and reformatting) it under them."""
-    from maru_shm.format import CLS_PARTIAL, SLAB_HAND_OFF, SLAB_REF, U32
+    from maru_shm.format.layout import CLS_PARTIAL, SLAB_HAND_OFF, SLAB_REF, U32
     s = open_store("16M")
     size = 100 * KiB
     info = s.alloc.class_for(size)
@@ -178,7 +178,7 @@ def _fill_one_class(s, size, tag="f"):
     for start in range(0, n, 16):
         keys = [f"{tag}{i}" for i in range(start, min(n, start + 16))]
         assert all(s.batch_put(keys, [make_value(k, 1, size) for k in keys]))
-    assert s.alloc.find_free_run(info.k) is None and s.stats()["evictions"] == 0
+    assert s.alloc.runs.find_free_run(info.k) is None and s.stats()["evictions"] == 0
     return info, n
 
 
@@ -215,17 +215,17 @@ def test_block_clock_sweep_is_bounded_when_every_block_is_owned(open_store):
     bounded sweep, the slab CLOCK none either, and the put fails instead of looping. Once the blocks
     are disowned (every ref bit set), the next put evicts exactly one block, the one at the hand, and
     the sweep has cleared the ref bit of every other block."""
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, U64
     s = open_store("16M")
     size = 100 * KiB
     info, n = _fill_one_class(s, size)
     a = s.alloc
-    offs = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    offs = [h * s.geo.unit_size + i * info.block for h in a.slabs.class_slabs(info.cid) for i in range(info.bps)]
     g = [o // s.geo.granule for o in offs]
     a.meta_owners[g] = s.slot + 1
     a.meta_refs[g] = 1
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 4) == 0
+        assert a.clock.evict_blocks(info, 4) == 0
     assert a.meta_refs[g].all(), "no victim: the hand passed nothing but owned blocks"
     assert not s.put("nope", make_value("nope", 1, size))
     a.meta_owners[g] = 0
@@ -245,12 +245,12 @@ def test_block_clock_keeps_a_value_hit_twice_over_one_hit_once(open_store):
     the unreferenced blocks in the first pass and the block hit once in the second: the block hit twice,
     earlier in the ring, survives with a count of 1 (a one-bit CLOCK would take it first in the second pass).
     """
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, REF_MAX, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, REF_MAX, U64
     s = open_store("16M")
     size = 100 * KiB
     info, n = _fill_one_class(s, size)
     a = s.alloc
-    ring = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    ring = [h * s.geo.unit_size + i * info.block for h in a.slabs.class_slabs(info.cid) for i in range(info.bps)]
     g = np.array([o // s.geo.granule for o in ring])
     key_at = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
     twice, once = key_at[ring[1]], key_at[ring[2]]
@@ -261,7 +261,7 @@ def test_block_clock_keeps_a_value_hit_twice_over_one_hit_once(open_store):
     assert check_value(once, s.get(once))
     assert a.meta_refs[g[1]] == REF_MAX and a.meta_refs[g[2]] == 1, "a hit raises the count, up to REF_MAX"
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, n - 1) == n - 1
+        assert a.clock.evict_blocks(info, n - 1) == n - 1
     assert check_value(twice, s.get(twice)), "the block hit twice survives"
     assert s.get(once) is None
     assert a.meta_refs[g[1]] == 1, "lowered by each of the two passes, raised by the get above"
@@ -281,8 +281,8 @@ def test_slabs_move_to_a_class_short_of_its_demand_share(open_store):
     b_size = next(b for b in sizes if b >= 200 * KiB)
     ia, n = _fill_one_class(s, a_size, "a")
     ib = s.alloc.class_for(b_size)
-    assert list(s.alloc.donors(ib)) == [ia.cid], "a class without a slab must get one"
-    assert not len(s.alloc.donors(ia))
+    assert list(s.alloc.policy.donors(ib)) == [ia.cid], "a class without a slab must get one"
+    assert not len(s.alloc.policy.donors(ia))
     b_puts = written = 0
     while written < 4 * s.geo.data_bytes:
         kb = f"b{b_puts}"
@@ -308,12 +308,12 @@ def test_the_move_rule_balances_retention_with_a_margin(open_store):
     window of c's k units keeps its values 1 + MOVE_MARGIN times as long as c after taking. That never
     makes c a donor of d in turn. A class whose demand has decayed to nothing gives."""
     MOVE_MARGIN = Settings().move_margin
-    from maru_shm.format import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
+    from maru_shm.format.layout import CLS_DEMAND, CLS_DEMAND_EPOCH, DEMAND_EPOCH_OFF, U32, U64
     s = open_store("64M")
     sizes = geometric_sizes(s.geo.granule, s.geo.max_value)
     ia, _ = _fill_one_class(s, next(b for b in sizes if b >= 100 * KiB), "a")
     ib = s.alloc.class_for(next(b for b in sizes if b >= 200 * KiB))
-    assert list(s.alloc.donors(ib)) == [ia.cid]
+    assert list(s.alloc.policy.donors(ib)) == [ia.cid]
     assert s.put("b0", make_value("b0", 1, ib.block))  # takes a window of A's slabs
     nslabs = s.alloc.cls_nslabs
     assert nslabs[ib.cid] == 1
@@ -324,8 +324,8 @@ def test_the_move_rule_balances_retention_with_a_margin(open_store):
         for info, value in ((ia, dem_a), (ib, dem_b)):
             U64.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND, int(value))
             U32.pack_into(s.mm, s.geo.class_entry(info.cid) + CLS_DEMAND_EPOCH, epoch)
-        assert not len(s.alloc.donors(ia)), "B gave to A"
-        return list(s.alloc.donors(ib))
+        assert not len(s.alloc.policy.donors(ia)), "B gave to A"
+        return list(s.alloc.policy.donors(ib))
 
     assert donors_at(ua * 1000, ub * 1000) == []  # demand in proportion to the slabs
     giver = (ua - ib.k) / (ua * 1000)  # A's retention after giving a window of B's size
@@ -341,13 +341,13 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     blocks far apart (100, 600, 800), the victims are exactly those three, in ring order from the hand, and only the
     ref bits the hand passed are cleared. With every ref bit set, the second pass takes the blocks
     at the hand, and the first pass has cleared every bit."""
-    from maru_shm.format import CLASS_LOCK_BASE, CLS_HAND, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, CLS_HAND, U64
     s = open_store("16M")
     size = 16 * KiB
     s.declare_size(size)
     info, n = _fill_one_class(s, size)
     a = s.alloc
-    ring = [h * s.geo.unit_size + i * info.block for h in a.class_slabs(info.cid) for i in range(info.bps)]
+    ring = [h * s.geo.unit_size + i * info.block for h in a.slabs.class_slabs(info.cid) for i in range(info.bps)]
     assert len(ring) > 850
     g = np.array([o // s.geo.granule for o in ring])
     owner_of = {s.index.find(key_digest(f"f{i}"))[1]: f"f{i}" for i in range(n)}
@@ -356,7 +356,7 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     cold = [100, 600, 800]
     a.meta_refs[g[cold]] = 0
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 3) == 3
+        assert a.clock.evict_blocks(info, 3) == 3
     assert [s.get(owner_of[ring[i]]) for i in cold] == [None] * 3
     refs = a.meta_refs[g]
     assert not refs[:801].any() and refs[801:].all(), "cleared exactly up to the last victim"
@@ -364,7 +364,7 @@ def test_block_clock_takes_victims_in_ring_order_across_chunks(open_store):
     assert (hand >> 8) * s.geo.unit_size + (hand & 0xFF) * info.block == ring[801]
     a.meta_refs[g] = 1
     with s.locks.hold(CLASS_LOCK_BASE + info.cid):
-        assert a.evict_blocks(info, 2) == 2
+        assert a.clock.evict_blocks(info, 2) == 2
     live = np.setdiff1d(np.arange(len(ring)), cold)  # the three blocks freed above are FREE: skipped
     assert not a.meta_refs[g[live]].any() and a.meta_refs[g[cold]].all()
     assert s.get(owner_of[ring[801]]) is None and s.get(owner_of[ring[802]]) is None
@@ -408,10 +408,10 @@ def test_free_run_search_matches_trying_every_start(open_store):
             k, count = rng.choice([1, 2, 4]), rng.choice([1, 3, 40, 5000])
             U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
             want = _free_runs_by_trying_every_start(a, k, count)
-            assert a.find_free_runs(k, count) == want, (trial, k, count)
+            assert a.runs.find_free_runs(k, count) == want, (trial, k, count)
             floor = U32.unpack_from(s.mm, FREE_FLOOR_OFF)[0]
             assert not (a.states[:floor] == UNIT_FREE).any()
-            assert a.find_free_runs(k, count) == want  # the same from the floor it raised
+            assert a.runs.find_free_runs(k, count) == want  # the same from the floor it raised
     finally:
         a.states[:] = UNIT_FREE  # an empty pool again, for the fixture's check
         a.clsfield[:] = 0
@@ -422,7 +422,7 @@ def test_free_run_search_matches_trying_every_start(open_store):
 def class_lock_held_by_another_thread(s, cid: int):
     """CLASS[cid] held by another thread of this process for the duration of the block."""
     import threading
-    from maru_shm.format import CLASS_LOCK_BASE
+    from maru_shm.format.layout import CLASS_LOCK_BASE
     held, release = threading.Event(), threading.Event()
 
     def holder():
@@ -451,11 +451,11 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
-    old_off, old_word, _, _ = s.reader.lookup(key_digest("a"))
-    spares = s.alloc.kept[info.cid][:]  # the first put's spares (kept.spare_limit), RESERVED
+    old_off, old_word, _, _ = s._reader.lookup(key_digest("a"))
+    spares = s.alloc.kept_blocks.lists[info.cid][:]  # the first put's spares (keptblocks.spare_limit), RESERVED
     assert len(spares) == spare_limit(info)
     assert s.put("a", make_value("a", 2, 20_000))  # takes a spare; the old block joins the list last
-    assert s.alloc.kept[info.cid] == spares[:-1] + [(old_off, old_word)]
+    assert s.alloc.kept_blocks.lists[info.cid] == spares[:-1] + [(old_off, old_word)]
     st = s.stats()
     assert st["live_blocks"] == st["entries"] == 1 and st["held_blocks"] == 1
     assert st["reserved_blocks"] == len(spares) - 1
@@ -464,17 +464,17 @@ def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the
         t0 = time.monotonic()
         assert s.put("b", make_value("b", 1, 20_000))  # the kept block: no class lock
         assert time.monotonic() - t0 < 1.0
-        assert s.reader.lookup(key_digest("b"))[0] == old_off
-        assert s.alloc.kept[info.cid] == spares[:-1]
+        assert s._reader.lookup(key_digest("b"))[0] == old_off
+        assert s.alloc.kept_blocks.lists[info.cid] == spares[:-1]
     assert s.get("a") == make_value("a", 2, 20_000) and s.get("b") == make_value("b", 1, 20_000)
     s.put("spare-used", make_value("c", 1, 20_000))
-    limit = s.alloc.keep_limit(info)
+    limit = keep_limit(info)
     for r in range(3):
         for i in range(limit + 4):
             assert s.put(f"k{i}", make_value(f"k{i}", r, 20_000))
-    assert len(s.alloc.kept[info.cid]) <= limit
+    assert len(s.alloc.kept_blocks.lists[info.cid]) <= limit
     st = s.stats()
-    assert st["held_blocks"] + st["reserved_blocks"] == len(s.alloc.kept[info.cid])
+    assert st["held_blocks"] + st["reserved_blocks"] == len(s.alloc.kept_blocks.lists[info.cid])
     assert s.check().ok
     s.close()
     s2 = Store.open(pool_path)
@@ -498,17 +498,17 @@ def test_a_single_key_put_reserves_spares_so_the_next_puts_take_no_class_lock(op
     small, large = s.alloc.class_for(4096), s.alloc.class_for(131072)
     assert spare_limit(small) == 16 and spare_limit(large) == 0
     assert s.put("first", make_value("first", 1, 4096))
-    assert len(s.alloc.kept[small.cid]) == 16
+    assert len(s.alloc.kept_blocks.lists[small.cid]) == 16
     assert s.stats()["reserved_blocks"] == 16 and s.check().ok
     with class_lock_held_by_another_thread(s, small.cid):
         t0 = time.monotonic()
         for i in range(16):
             assert s.put(f"k{i}", make_value(f"k{i}", 1, 4096))
         assert time.monotonic() - t0 < 1.0  # none waited for the class lock
-        assert not s.alloc.kept.get(small.cid)
-    assert s.put("large", make_value("large", 1, 131072)) and not s.alloc.kept.get(large.cid)
+        assert not s.alloc.kept_blocks.lists.get(small.cid)
+    assert s.put("large", make_value("large", 1, 131072)) and not s.alloc.kept_blocks.lists.get(large.cid)
     assert all(s.batch_put([f"b{i}" for i in range(4)], [make_value(f"b{i}", 1, 8192) for i in range(4)]))
-    assert not s.alloc.kept.get(s.alloc.class_for(8192).cid)  # a batch reserves no spares
+    assert not s.alloc.kept_blocks.lists.get(s.alloc.class_for(8192).cid)  # a batch reserves no spares
     assert all(s.get(f"k{i}") == make_value(f"k{i}", 1, 4096) for i in range(16))
     assert s.check().ok
     s.close()
@@ -534,7 +534,7 @@ def test_spares_never_make_room(open_store, make_value):
     evictions = s.stats()["evictions"]
     for i in range(50):  # every put now evicts its own block, and no more: a full slab has no spare to give
         assert s.put(f"x{i}", make_value(f"x{i}", 1, 65536))
-        assert not s.alloc.kept.get(info.cid)
+        assert not s.alloc.kept_blocks.lists.get(info.cid)
     st = s.stats()
     assert st["evictions"] - evictions == 50 and st["reserved_blocks"] == 0
     assert s.check().ok
@@ -563,9 +563,9 @@ def test_threads_overwriting_share_the_kept_blocks_and_orphan_none(open_store, m
         t.join()
     assert not errors
     st = s.stats()
-    kept = sum(len(v) for v in s.alloc.kept.values())
+    kept = sum(len(v) for v in s.alloc.kept_blocks.lists.values())
     assert st["live_blocks"] == st["entries"] == len(keys)
-    assert st["held_blocks"] + st["reserved_blocks"] == kept <= s.alloc.keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
+    assert st["held_blocks"] + st["reserved_blocks"] == kept <= keep_limit(s.alloc.class_for(20_000)) + 4  # + one per racing thread
     assert s.check().ok
 
 
@@ -581,12 +581,12 @@ def _overwrite_claims(s, info, d, off, word) -> None:
     """What a live process's overwrite or delete of digest `d` does first: under the shard lock its entry goes
     (here: removed) and the block at `off` with `word` becomes its claim, which it keeps for its next put of
     the class (no class lock needed to reuse it)."""
-    from maru_shm.format import SHARD_LOCK_BASE
+    from maru_shm.format.layout import SHARD_LOCK_BASE
     sh = s.index.shard_of(d)
     with s.locks.hold(SHARD_LOCK_BASE + sh):
-        s.publisher.claim_for_free(off, word)
+        s._publisher.claim_for_free(off, word)
         s.index.remove(sh, d)
-    s.alloc.kept.setdefault(info.cid, []).append((off, word))
+    s.alloc.kept_blocks.lists.setdefault(info.cid, []).append((off, word))
 
 
 def _claim_and_reuse_before(s, info, key, call):
@@ -611,7 +611,7 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     without a class lock, freeing the slab would hand that block out twice. The move re-checks after
     unpublishing: the slab stays, the blocks it did unpublish are freed one by one, the claimed one stays
     LIVE and owned, and the process's next put of the class reuses it."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
     info, h, victims = _a_full_slab(s, size)
@@ -634,7 +634,7 @@ def test_a_slab_move_leaves_a_slab_whose_block_was_claimed_while_it_unpublished(
     assert s.stats()["held_blocks"] == 1 and s.stats()["slab_moves"] == 0
     assert s.check().ok
     assert s.put("new", make_value("new", 1, size))
-    assert s.reader.lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
+    assert s._reader.lookup(key_digest("new"))[0] == off, "the next put reuses the kept block"
     assert s.check().ok
 
 
@@ -645,7 +645,7 @@ def test_a_slab_move_leaves_a_slab_whose_claimed_block_was_reused_before_its_rec
     reuse, shows that the block is not the one the move listed and unpublished. Returning the slab would
     free a published block and reformat its units under its entry (seen with threads sharing one Store:
     `check` reported an entry whose offset was no block start of the new class)."""
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_POOL, UNIT_HEAD, U64
     s = open_store("16M")
     size = 20 * KiB
     info, h, victims = _a_full_slab(s, size)
@@ -668,7 +668,7 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     the rest. A live process that overwrote one of them meanwhile claimed it (its entry replaced under the
     shard lock before the index was asked) and may reuse it without the class lock: repair reads the owner
     again before freeing, and leaves it used."""
-    from maru_shm.format import CLASS_LOCK_BASE, U64
+    from maru_shm.format.layout import CLASS_LOCK_BASE, U64
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
@@ -687,15 +687,15 @@ def test_class_repair_leaves_a_block_claimed_while_it_asked_the_index(open_store
     assert U64.unpack_from(s.mm, s.alloc.meta_off(off))[0] == word, "the claimed block is untouched"
     assert s.check().ok
     assert s.put("c", make_value("c", 1, 20_000))
-    assert s.reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
-    assert s.put("e", make_value("e", 1, 20_000)) and s.reader.lookup(key_digest("e"))[0] != off
+    assert s._reader.lookup(key_digest("c"))[0] == off, "the next put reuses it"
+    assert s.put("e", make_value("e", 1, 20_000)) and s._reader.lookup(key_digest("e"))[0] != off
     assert s.check().ok and s.get("b") == make_value("b", 1, 20_000)
 
 
 def test_class_repair_leaves_a_claimed_block_reused_before_it_frees(open_store):
     """As above, but the claimant has reused the block, published the new value and cleared its owner
     before repair frees what the index did not name: the owner says nothing then, the word (moved on) does."""
-    from maru_shm.format import CLASS_LOCK_BASE
+    from maru_shm.format.layout import CLASS_LOCK_BASE
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000)) and s.put("b", make_value("b", 1, 20_000))
@@ -714,13 +714,13 @@ def test_reaping_leaves_a_block_claimed_and_reused_while_it_asked_the_index(open
     claimed it first (its overwrite replaced the entry before the reaper asked the index): then it is that
     process's, which may already have reused it and published the new value, its owner cleared. The reaper
     frees only a block still of the dead slot with the word it read."""
-    from maru_shm.format import META_OWNER_OFF, U16
+    from maru_shm.format.layout import META_OWNER_OFF, U16
     s = open_store("16M")
     info = s.alloc.class_for(20_000)
     assert s.put("a", make_value("a", 1, 20_000))
     s.alloc.free_kept()
-    dead = s.procs.owner + 5  # a slot no process holds: its owner is dead
-    assert not s.slot_alive(dead)
+    dead = s._procs.owner + 5  # a slot no process holds: its owner is dead
+    assert not s._procs.alive(dead)
     real = s.alloc.host.indexed_many
     wrapper, off, word = _claim_and_reuse_before(s, info, "a", real)
     U16.pack_into(s.mm, s.alloc.meta_off(off) + META_OWNER_OFF, dead)  # it died after publishing, before disowning
@@ -736,12 +736,12 @@ def test_a_slab_move_cut_short_repairs_the_donor_class(open_store, monkeypatch):
     cut their eviction short, so a half-emptied donor slab was never repaired. Their marks now stay, and the
     cut call, as the next holder of every lock it left dirty, repairs the donor class before it raises."""
     from maru_shm.allocator.slabmover import SlabMover
-    from maru_shm.format import CLASS_LOCK_BASE, LOCK_RECORD
+    from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_RECORD
 
     s = open_store("4M", timeout=2.0)
     donor, _ = _fill_one_class(s, 16 * KiB)
     taker = s.alloc.class_for(200 * KiB)
-    assert taker.cid != donor.cid and not s.alloc.class_slabs(taker.cid)
+    assert taker.cid != donor.cid and not s.alloc.slabs.class_slabs(taker.cid)
 
     def interrupted(self, slabs):
         raise KeyboardInterrupt("inside the donor's eviction")

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from maru_shm import CorruptPoolError
-from maru_shm.format import ENTRY_STRUCT, Geometry
+from maru_shm.format.layout import ENTRY_STRUCT
+from maru_shm.format.geometry import Geometry
 from maru_shm.index import Index, key_digest
 
 from ...conftest import assert_clean, check_value, make_value
@@ -204,7 +205,7 @@ def test_store_keeps_shards_under_seven_eighths(open_store):
 
 def test_store_repairs_a_shard_left_with_duplicates(open_store):
     """A dirty shard lock triggers the rebuild: duplicates and entries naming the wrong block are dropped."""
-    from maru_shm.format import LOCK_RECORD, SHARD_LOCK_BASE
+    from maru_shm.format.layout import LOCK_RECORD, SHARD_LOCK_BASE
     s = open_store("16M", index_shards=1, index_slots=64)
     keys = [f"k{i}" for i in range(20)]
     assert all(s.batch_put(keys, [make_value(k, 1, 5000) for k in keys]))
