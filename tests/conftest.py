@@ -92,6 +92,25 @@ def in_finalizer(frame) -> bool:
     return False
 
 
+
+def interrupt_at_line(n: int | None, files: tuple, seen: list | None = None):
+    """A trace function that raises KeyboardInterrupt at the n-th line event inside `files` (as a SIGINT
+    would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a trace
+    function that raises: one interrupt. Finalizers are not traced (in_finalizer)."""
+    seen = [0] if seen is None else seen
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} "
+                                        f"({frame.f_code.co_name})")
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename in files and not in_finalizer(frame) else None
+    return calls
+
 # Tests with one instance per xdist worker that want all their instances running at once on one pool.
 PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")
 

@@ -14,26 +14,10 @@ import pytest
 from maru_sglang import sync
 from maru_sglang.sync import Mutex, MutexTimeout, boundary
 
-from ..conftest import in_finalizer
+from ..conftest import interrupt_at_line
 
 HERE = os.path.abspath(__file__)
 PACKAGE = pathlib.Path(sync.__file__).parent
-
-
-def _tracer(n: int, files: tuple):
-    """KeyboardInterrupt at the n-th line event inside `files` (as test_interrupts.py's injector); the count."""
-    seen = [0]
-
-    def local(frame, event, arg):
-        if event == "line":
-            seen[0] += 1
-            if seen[0] == n:
-                raise KeyboardInterrupt(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
-        return local
-
-    def calls(frame, event, arg):
-        return local if frame.f_code.co_filename in files and not in_finalizer(frame) else None
-    return calls, seen
 
 
 def _free_elsewhere(lock) -> bool:
@@ -54,7 +38,8 @@ def _interrupt_each_line(fn, lock, files: tuple) -> tuple[int, list]:
     """Run fn() once per line event inside `files`, interrupted there; (interrupts, where `lock` was left held)."""
     outer, interrupts, stranded = sys.gettrace(), 0, []
     for n in range(1, 200):
-        tracer, seen = _tracer(n, files)
+        seen = [0]
+        tracer = interrupt_at_line(n, files, seen)
         sys.settrace(tracer)
         try:
             fn()

@@ -20,7 +20,7 @@ from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, L
 from maru_shm.index import key_digest
 from maru_shm.locking.lockfile import lock_file_path
 
-from ..conftest import assert_clean, in_finalizer, reserve, value_version
+from ..conftest import assert_clean, interrupt_at_line, reserve, value_version
 
 TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
@@ -617,24 +617,6 @@ def _a_lock_held_by_anyone(path) -> str | None:
 LOCK_LAYER = (locks_mod.__file__, ofd_mod.__file__)
 
 
-def _interrupt_at_line(n: int | None, module_files: tuple = LOCK_LAYER, seen: list | None = None):
-    """A trace function that raises KeyboardInterrupt at the n-th line event inside `module_files` (as a
-    SIGINT would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a
-    trace function that raises: one interrupt. Finalizers are not traced (conftest.in_finalizer)."""
-    seen = [0] if seen is None else seen
-
-    def local(frame, event, arg):
-        if event == "line":
-            seen[0] += 1
-            if seen[0] == n:
-                raise KeyboardInterrupt(f"line event {n}: {frame.f_code.co_name} line {frame.f_lineno}")
-        return local
-
-    def calls(frame, event, arg):
-        return local if frame.f_code.co_filename in module_files and not in_finalizer(frame) else None
-    return calls
-
-
 def test_an_interrupt_at_any_line_of_the_lock_layer_leaves_no_lock_held(open_store, pool_path, make_value):
     """Ctrl-C (or a signal handler's exception) landing anywhere in the lock layer during puts and deletes:
     no lock stays held (another description can take every one), the same thread can put again (no
@@ -655,7 +637,7 @@ def test_an_interrupt_at_any_line_of_the_lock_layer_leaves_no_lock_held(open_sto
 
     interrupted, outer = [], sys.gettrace()
     for n in range(1, 20000):
-        sys.settrace(_interrupt_at_line(n))
+        sys.settrace(interrupt_at_line(n, LOCK_LAYER))
         try:
             work()
         except KeyboardInterrupt as e:
