@@ -18,10 +18,12 @@ The helpers are plain functions too, so forked children can call them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
 import struct
+import threading
 import time
 import traceback
 import uuid
@@ -110,6 +112,25 @@ def interrupt_at_line(n: int | None, files: tuple, seen: list | None = None):
     def calls(frame, event, arg):
         return local if frame.f_code.co_filename in files and not in_finalizer(frame) else None
     return calls
+
+
+@contextlib.contextmanager
+def held_by_another_thread(lock_cm, wait_s: float = 30):
+    """`lock_cm` (a lock's context manager) entered by another thread of this process for the block's duration."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with lock_cm:
+            held.set()
+            release.wait(wait_s)
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(wait_s)
+        yield
+    finally:
+        release.set()
+        t.join()
 
 # Tests with one instance per xdist worker that want all their instances running at once on one pool.
 PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")

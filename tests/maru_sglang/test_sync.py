@@ -14,7 +14,7 @@ import pytest
 from maru_sglang import sync
 from maru_sglang.sync import Mutex, MutexTimeout, boundary
 
-from ..conftest import interrupt_at_line
+from ..conftest import held_by_another_thread, interrupt_at_line
 
 HERE = os.path.abspath(__file__)
 PACKAGE = pathlib.Path(sync.__file__).parent
@@ -106,24 +106,12 @@ def test_a_nested_boundary_leaves_the_outer_sections_mutex_alone():
 
 def test_a_busy_mutex_is_waited_for_within_its_bound():
     m = Mutex("the test's mutex", timeout=0.05)
-    taken, done = threading.Event(), threading.Event()
-
-    def hold():
-        with m:
-            taken.set()
-            done.wait(30)
-    t = threading.Thread(target=hold)
-    t.start()
-    try:
-        assert taken.wait(30)
+    with held_by_another_thread(m):
         with pytest.raises(MutexTimeout, match="the test's mutex"):
             with m:
                 pass
         assert m.acquire(blocking=False) is False
         assert sync._local.held == []
-    finally:
-        done.set()
-        t.join()
     with m:
         assert m.acquire(blocking=False) is False  # not re-entrant, as threading.Lock
         with pytest.raises(RuntimeError, match="already held by this thread"):

@@ -5,7 +5,6 @@ The figures (utilization) are printed (`-s`) and attached to the test report as 
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import numpy as np
@@ -17,7 +16,7 @@ from maru_shm.format.layout import FREE_FLOOR_OFF, U32, UNIT_FREE, UNIT_HEAD
 from maru_shm.allocator.keptblocks import keep_limit, spare_limit
 from maru_shm.index import key_digest
 
-from ...conftest import assert_clean, check_value, make_value
+from ...conftest import assert_clean, check_value, held_by_another_thread, make_value
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -418,26 +417,10 @@ def test_free_run_search_matches_trying_every_start(open_store):
         U32.pack_into(s.mm, FREE_FLOOR_OFF, 0)
 
 
-@contextlib.contextmanager
 def class_lock_held_by_another_thread(s, cid: int):
     """CLASS[cid] held by another thread of this process for the duration of the block."""
-    import threading
     from maru_shm.format.layout import CLASS_LOCK_BASE
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with s.locks.hold(CLASS_LOCK_BASE + cid):
-            held.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    try:
-        assert held.wait(10)
-        yield
-    finally:
-        release.set()
-        t.join()
+    return held_by_another_thread(s.locks.hold(CLASS_LOCK_BASE + cid), 10)
 
 
 def test_an_overwrite_keeps_its_old_block_and_the_next_put_reuses_it_without_the_class_lock(open_store, pool_path,
