@@ -19,6 +19,7 @@ The helpers are plain functions too, so forked children can call them.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import signal
@@ -32,6 +33,9 @@ import weakref
 import pytest
 
 from maru_shm import Store, remove_pool
+from maru_shm.format.layout import LOCK_BASE, LOCK_IDS
+from maru_shm.locking import locks, ofd
+from maru_shm.locking.lockfile import lock_file_path
 
 _HEADER = struct.Struct("<16sQQ")  # key digest, version, total length
 HEADER_SIZE = _HEADER.size  # 32
@@ -112,6 +116,18 @@ def interrupt_at_line(n: int | None, files: tuple, seen: list | None = None):
     def calls(frame, event, arg):
         return local if frame.f_code.co_filename in files and not in_finalizer(frame) else None
     return calls
+
+
+def a_lock_held_by_anyone(path) -> str | None:
+    """Name of the lowest lock with a record that some open file description holds, seen from a description
+    of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
+    fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, ofd.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
+    finally:
+        os.close(fd)
+    kind, _, start, _, _ = ofd._FLOCK.unpack(res)
+    return None if kind == fcntl.F_UNLCK else locks.lock_name(start - LOCK_BASE)
 
 
 @contextlib.contextmanager

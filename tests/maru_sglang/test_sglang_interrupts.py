@@ -49,7 +49,7 @@ from maru_shm import StoreError, remove_pool  # noqa: E402
 from maru_shm.locking.lockfile import lock_file_path  # noqa: E402
 
 from ..conftest import in_finalizer  # noqa: E402
-from ..maru_shm.test_locks import _a_lock_held_by_anyone  # noqa: E402
+from ..conftest import a_lock_held_by_anyone  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -176,7 +176,7 @@ def _pool_lock_held(path: str) -> str | None:
     deadline = time.monotonic() + PATIENCE_S
     while True:
         try:
-            held = _a_lock_held_by_anyone(path) if os.path.exists(lock_file_path(path, False)) else None
+            held = a_lock_held_by_anyone(path) if os.path.exists(lock_file_path(path, False)) else None
         except FileNotFoundError:  # removed by the run (a lost pool), not yet made again
             held = None
         if held is None or time.monotonic() > deadline:

@@ -367,10 +367,10 @@ def test_an_exception_at_any_line_of_a_threaded_batch_waits_for_the_workers(monk
 
     monkeypatch.setattr(copyengine, "BACKOFF", 0)
 
-    from .test_locks import _interrupt_at_line
+    from ..conftest import interrupt_at_line
 
     def tracer_at(n, seen):
-        return _interrupt_at_line(n, (copyengine.__file__,), seen)
+        return interrupt_at_line(n, (copyengine.__file__,), seen)
 
     src, dst = _buffers(32 << 20, seed=11)
     d_off, s_off, nb = _scattered_plan(32 << 20, 1 << 20, seed=11)

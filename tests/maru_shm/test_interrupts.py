@@ -29,8 +29,7 @@ from maru_shm.locking import locks
 from maru_shm.allocator import blockclock
 from maru_shm.format.layout import CLASS_LOCK_BASE, LOCK_IDS, LOCK_POOL, LOCK_RECORD, SHARD_LOCK_BASE
 
-from ..conftest import in_finalizer, make_value, reserve, value_version
-from .test_locks import _a_lock_held_by_anyone, _interrupt_at_line
+from ..conftest import a_lock_held_by_anyone, in_finalizer, interrupt_at_line, make_value, reserve, value_version
 
 ROOT = os.path.dirname(maru_shm.__file__) + os.sep
 SIZES = (3000, 9000, 20000)
@@ -177,7 +176,7 @@ def _interrupt_runs(path: str, runs: int, seed: int) -> dict:
             if where == "nowhere":
                 events, close_events = events[-15:] + [seen[0]], close_events[-15:] + [seen[1]] * close
             assert not model.wrong, (where, model.wrong)
-            held = _a_lock_held_by_anyone(path)
+            held = a_lock_held_by_anyone(path)
             assert held is None, f"after the interrupt at {where}: lock {held} is still held"
             if close:
                 s.close()  # a close an exception cut short finishes when called again
@@ -261,7 +260,7 @@ def test_an_interrupt_in_a_threaded_batch_leaves_no_worker_copying(pool_path, mo
                 sys.settrace(outer)
             assert s._engine.in_flight() == 0, f"a worker still copies after the interrupt at {where}"
             assert not model.wrong, (where, model.wrong)
-            assert _a_lock_held_by_anyone(pool_path) is None, where
+            assert a_lock_held_by_anyone(pool_path) is None, where
         _repair_dirty_domains(s)
         assert s.check().ok
         for k in BIG:
@@ -286,7 +285,7 @@ def test_the_tracers_never_interrupt_a_finalizer():
         pass
     outer, seen_locks, results = sys.gettrace(), [0], []
     tracers = {"_tracer": _tracer(1, [], False),
-               "_interrupt_at_line": (_interrupt_at_line(1, (locks.__file__,), seen_locks), seen_locks)}
+               "interrupt_at_line": (interrupt_at_line(1, (locks.__file__,), seen_locks), seen_locks)}
     for name, (tracer, seen) in tracers.items():
         thing = Thing()
         finalizer = weakref.finalize(thing, locks._forget_thread_fd, weakref.ref(Thing()), -1)  # table gone
@@ -299,7 +298,7 @@ def test_the_tracers_never_interrupt_a_finalizer():
         finally:
             sys.settrace(outer)
         results.append((name, finalizer.alive, interrupted, sum(seen)))
-    assert results == [("_tracer", False, None, 0), ("_interrupt_at_line", False, None, 0)], results
+    assert results == [("_tracer", False, None, 0), ("interrupt_at_line", False, None, 0)], results
 
 
 def test_check_reports_blocks_this_process_owns_but_holds_nowhere(open_store, pool_path):
@@ -377,7 +376,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     gets: one orphan each."""
     s = _full_of_one_class(pool_path)
     seen = [0]
-    sys.settrace(_interrupt_at_line(None, (blockclock.__file__,), seen))
+    sys.settrace(interrupt_at_line(None, (blockclock.__file__,), seen))
     try:
         assert s.put("new", make_value("new", 1, 6000))
     finally:
@@ -387,7 +386,7 @@ def test_an_interrupt_at_each_line_of_a_block_clock_eviction_leaves_no_orphan(po
     for n in range(1, seen[0] + 1):
         s = _full_of_one_class(pool_path)
         try:
-            sys.settrace(_interrupt_at_line(n, (blockclock.__file__,)))
+            sys.settrace(interrupt_at_line(n, (blockclock.__file__,)))
             try:
                 s.put("new", make_value("new", 1, 6000))
             except KeyboardInterrupt:
@@ -438,7 +437,7 @@ def measure(runs: int, seed: int) -> dict:
                 orphaned.update(p.split(":")[0] for p in s.check().problems if "(orphan)" in p)
             finally:
                 sys.settrace(outer)
-            out["runs_ending_with_a_lock_held"] += _a_lock_held_by_anyone(path) is not None
+            out["runs_ending_with_a_lock_held"] += a_lock_held_by_anyone(path) is not None
         signal.alarm(60)
         for k in KEYS + PAGES + FILL:
             s.delete(k)

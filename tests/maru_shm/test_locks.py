@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 import signal
@@ -14,13 +13,13 @@ import pytest
 
 from maru_shm import LockTimeout, PoolInUseError, Store, StoreError
 from maru_shm.locking import locks as locks_mod, ofd as ofd_mod
-from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_BASE, LOCK_CLASSTAB, LOCK_IDS, LOCK_INIT, LOCK_POOL,
+from maru_shm.format.layout import (CLASS_LOCK_BASE, LOCK_CLASSTAB, LOCK_INIT, LOCK_POOL,
                                     LOCK_PROC, LOCK_RECORD, SHARD_LOCK_BASE, SLAB_NFREE, SLAB_BITMAP, UNIT_FREE,
                                     UNIT_TAIL, U32, U64, CLS_PARTIAL, ENTRY_SIZE)
 from maru_shm.index import key_digest
 from maru_shm.locking.lockfile import lock_file_path
 
-from ..conftest import assert_clean, interrupt_at_line, reserve, value_version
+from ..conftest import a_lock_held_by_anyone, assert_clean, interrupt_at_line, reserve, value_version
 
 TIMEOUT = 0.3
 BOUND = TIMEOUT + 10.0  # generous: the machine is noisy; a LockTimeout must still come, not a hang
@@ -601,18 +600,6 @@ def test_open_close_cycles_leak_no_lock_table(pool_path):
 
 # ---------------------------------------------------------------- exceptions at any bytecode (FORMAT.md invariant 3)
 
-def _a_lock_held_by_anyone(path) -> str | None:
-    """Name of the lowest lock with a record that some open file description holds, seen from a description
-    of our own on the pool's lock file (F_OFD_GETLK over every id at once); None if none is held."""
-    fd = os.open(lock_file_path(path, False), os.O_RDWR | os.O_CLOEXEC)
-    try:
-        res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, ofd_mod.flock_bytes(fcntl.F_WRLCK, 0, LOCK_IDS))
-    finally:
-        os.close(fd)
-    kind, _, start, _, _ = ofd_mod._FLOCK.unpack(res)
-    return None if kind == fcntl.F_UNLCK else locks_mod.lock_name(start - LOCK_BASE)
-
-
 # The lock layer: the lock table and the OFD calls under it.
 LOCK_LAYER = (locks_mod.__file__, ofd_mod.__file__)
 
@@ -646,7 +633,7 @@ def test_an_interrupt_at_any_line_of_the_lock_layer_leaves_no_lock_held(open_sto
             break
         finally:
             sys.settrace(outer)
-        where = _a_lock_held_by_anyone(pool_path)
+        where = a_lock_held_by_anyone(pool_path)
         assert where is None, f"after the interrupt at {interrupted[-1]}: lock {where} is still held"
         assert not s.locks.holds_all()
         assert s.put("solo", solo) and all(s.batch_put(batch, values)), interrupted[-1]
@@ -684,7 +671,7 @@ def test_a_repair_cut_short_repairs_every_domain_before_its_mark_is_cleared(open
     monkeypatch.setattr(s._publisher, "repair_shard_lock", lambda i: (repaired.append(i), real(i)))
     with pytest.raises(KeyboardInterrupt):
         s.check(repair=True)
-    assert _a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()
+    assert a_lock_held_by_anyone(pool_path) is None and not s.locks.holds_all()
     assert lock_id in repaired
     assert LOCK_RECORD.unpack_from(s.mm, rec)[0] == 0 and s.locks.marked_by_this_process() == []
 
@@ -726,7 +713,7 @@ def test_a_forked_child_keeps_no_lock_and_no_slot_of_its_dead_parent(pool_path, 
         with Store.open(pool_path, timeout=TIMEOUT) as s:  # attaching reaps the dead slot
             assert s.put(key, b"v" * 3000) and s.get(key) == b"v" * 3000  # the dead parent's SHARD lock
             assert s.stats()["processes"] == 1
-            assert _a_lock_held_by_anyone(pool_path) is None
+            assert a_lock_held_by_anyone(pool_path) is None
             assert_clean(s)
             os.kill(grandchild, 0)  # all this while the child lives
     finally:
