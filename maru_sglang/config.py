@@ -24,8 +24,9 @@ RETIRED_KEYS = ("maru_prefix_eviction",)
 KNOWN_KEYS = {
     "maru_path", "maru_pool_size", "maru_chunk_size_bytes", "maru_min_page_bytes", "maru_instance_id",
     "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_tier2",
-    "maru_tier2_retry_s", "maru_heal_retry_s", *SERVER_ONLY_KEYS, *RETIRED_KEYS,
+    "maru_tier2_retry_s", "maru_heal_retry_s", "maru_openmp_wait", *SERVER_ONLY_KEYS, *RETIRED_KEYS,
 }
+OPENMP_WAITS = ("sleep", "spin")
 DEFAULT_TIER2_RETRY_S = 2.0
 DEFAULT_HEAL_RETRY_S = 1.0
 
@@ -54,6 +55,7 @@ class MaruConfig:
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
     heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it
+    openmp_wait: str = "sleep"  # what the host's idle OpenMP workers do (maru_sglang.openmpwait)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "MaruConfig":
@@ -115,6 +117,11 @@ class MaruConfig:
             kw["tier2_retry_s"] = _seconds(extra["maru_tier2_retry_s"], "maru_tier2_retry_s", 0.05, 3600)
         if "maru_heal_retry_s" in extra:
             kw["heal_retry_s"] = _seconds(extra["maru_heal_retry_s"], "maru_heal_retry_s", 0.01, 3600)
+        if extra.get("maru_openmp_wait") is not None:
+            w = extra["maru_openmp_wait"]
+            if w not in OPENMP_WAITS:
+                raise ValueError(f"maru_openmp_wait: expected one of {', '.join(OPENMP_WAITS)}, got {w!r}")
+            kw["openmp_wait"] = w
         kw["instance_id"] = str(extra.get("maru_instance_id") or uuid.uuid4().hex[:12])
         return cls(**kw)
 

@@ -19,6 +19,8 @@ same pool file and moves pages directly between its host pool and the file.
 - The pool heals: truncated, removed (`maru-shm destroy --force`) or re-created
   under the server, it is detached and reopened with backoff, and calls answer
   misses meanwhile (maru_sglang.sharedpool).
+- The host's idle OpenMP workers sleep instead of spinning (maru_sglang.openmpwait):
+  schedulers that share cores otherwise lose them to each other's spinning.
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 - Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
@@ -42,6 +44,7 @@ from .config import MaruConfig
 from .hybrid import HybridPools
 from .tiers.local import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
+from .openmpwait import let_idle_workers_sleep
 from .pages import host_indices_fit
 from .sharedpool import SharedPool
 from .sync import public_calls
@@ -74,6 +77,8 @@ class MaruStorage(HiCacheStorage):
                                   self.pool.declare, self.log_once)
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
+        if self.config.openmp_wait == "sleep":
+            let_idle_workers_sleep()  # the scheduler's spinning OpenMP workers would take the cores it shares
 
     @property
     def page_bytes(self) -> int | None:

@@ -9,6 +9,8 @@ what each one tells about its contents and evictions.
             memory of their own (global_segment_size 0), so the budget is the whole store. The master's
             metrics count evicted keys (a page is one key per K and V buffer, or one).
   maru      MaruStorage on one pool file of the budget's size; its counters count evicted values.
+  maru-spin the same with `maru_openmp_wait: spin`: the host's idle OpenMP workers spin, as without the
+            pool (maru_sglang.openmpwait), the A/B of that rule. Asked for by name, never by default.
 Counters are read without attaching to the pool (a read-only view), so reading them never reaps a slot.
 
 Emptying between runs is SGLang's /hicache/storage-backend/clear, each backend's own clear(). HiCacheFile
@@ -26,8 +28,10 @@ import urllib.request
 
 from maru_shm import PoolView, format_size, pool_report, remove_pool
 
-NAMES = ("none", "file", "mooncake", "maru")
-BOUNDED = ("mooncake", "maru")  # the tiers a budget limits; the others run once, at no budget
+NAMES = ("none", "file", "mooncake", "maru", "maru-spin")
+BOUNDED = ("mooncake", "maru", "maru-spin")  # the tiers a budget limits; the others run once, at no budget
+MARU = ("maru", "maru-spin")  # MaruStorage, with the keys each adds to the extra config
+MARU_KEYS = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"}}
 
 
 class L3:
@@ -37,7 +41,7 @@ class L3:
         if name not in NAMES:
             raise ValueError(f"unknown L3 {name!r}; one of {', '.join(NAMES)}")
         self.name, self.budget, self.work_dir = name, budget if name in BOUNDED else None, work_dir
-        self.pool = os.path.join("/dev/shm", f"maru-bench-serving-{os.getpid()}-{tag}") if name == "maru" else None
+        self.pool = os.path.join("/dev/shm", f"maru-bench-serving-{os.getpid()}-{tag}") if name in MARU else None
         self.file_dir = (os.path.join("/dev/shm", f"maru-bench-serving-file-{os.getpid()}-{tag}")
                          if name == "file" else None)
         self.cluster = None
@@ -47,7 +51,7 @@ class L3:
         return self.name if self.budget is None else f"{self.name} {format_size(self.budget, style='short')}"
 
     def __enter__(self) -> "L3":
-        if self.name == "maru":
+        if self.name in MARU:
             remove_pool(self.pool)
         elif self.name == "file":
             os.makedirs(self.file_dir, exist_ok=True)
@@ -70,8 +74,8 @@ class L3:
 
     def spec_fields(self) -> dict:
         """ServerSpec fields for this tier."""
-        if self.name == "maru":
-            return {"l3": "maru", "pool": self.pool, "pool_size": str(self.budget)}
+        if self.name in MARU:
+            return {"l3": "maru", "pool": self.pool, "pool_size": str(self.budget), "maru_keys": MARU_KEYS[self.name]}
         if self.name == "file":
             return {"l3": "file", "file_dir": self.file_dir}
         if self.name == "mooncake":
@@ -81,13 +85,13 @@ class L3:
     def left_after_clear(self) -> int | None:
         """Entries still reachable after a clear: 0 when empty, None where it cannot be counted (MaruStorage:
         its clear() makes every page unreachable at once, and its entries stay until evicted)."""
-        if self.name in ("none", "maru"):
+        if self.name == "none" or self.name in MARU:
             return 0 if self.name == "none" else None
         return self.counters()["entries"]
 
     def counters(self) -> dict:
         """{"evictions", "entries", "bytes"} as this tier counts them; None where it has no such count."""
-        if self.name == "maru":
+        if self.name in MARU:
             with PoolView.open(self.pool) as view:
                 r = pool_report(view)
             return {"evictions": r["counters"]["evictions"], "entries": r["index"]["entries"],

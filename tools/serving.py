@@ -108,6 +108,7 @@ class ServerSpec:
     extra_args: tuple = ()
     l3: str | None = None  # one of L3_BACKENDS; None: "maru" with a pool, else "file"
     l3_config: dict | None = None  # "mooncake": SGLang's MooncakeStore extra config (master address, ...)
+    maru_keys: dict = field(default_factory=dict)  # "maru": maru_* keys added to the README's extra config
     text: bool = False  # the model directory has a tokenizer: requests may carry text
     dp_size: int = 1  # > 1: SGLang's data-parallel controller, round robin over the ranks
     env_overrides: dict = field(default_factory=dict)  # name -> value, or None to remove it
@@ -121,7 +122,7 @@ class ServerSpec:
         backend = self.backend
         if backend == "maru":
             return ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                    json.dumps(maru_extra_config(self.pool, self.pool_size))]
+                    json.dumps({**maru_extra_config(self.pool, self.pool_size), **self.maru_keys})]
         if backend == "mooncake":
             return ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config",
                     json.dumps(self.l3_config or {})]

@@ -81,6 +81,7 @@ def test_unknown_maru_keys_are_warned_by_name(make_instance, caplog):
     ("maru_eager_map", "maybe"), ("maru_mode", "rw"), ("maru_path", ""),
     ("maru_copy_threads", 0), ("maru_copy_threads", "many"), ("maru_copy_threads", True), ("maru_copy_threads", 65),
     ("maru_copy_threads", 2.5), ("maru_heal_retry_s", 0), ("maru_heal_retry_s", "soon"), ("maru_heal_retry_s", "nan"),
+    ("maru_openmp_wait", "passive"), ("maru_openmp_wait", True),
 ])
 def test_bad_values_fail_at_construction_naming_the_key(pool_path, key, value):
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory

@@ -1,0 +1,79 @@
+"""maru_sglang.openmpwait: the parked OpenMP team that lets the host's idle workers sleep (issue #49).
+
+Each case runs in a fresh interpreter: the team is parked once per process, and libgomp reads its
+environment once, when it loads. What the team changes (a worker that sleeps instead of spinning) is a
+rate, measured in BENCHMARKS.md "At load"; here: when it is parked, when not, and that torch's own
+thread count is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROBE = r"""
+import json, os, threading, torch
+from maru_sglang import openmpwait
+torch.set_num_threads(int(os.environ["PROBE_THREADS"]))
+before = (torch.get_num_threads(), len(os.listdir("/proc/self/task")))
+first = openmpwait.let_idle_workers_sleep()
+again = openmpwait.let_idle_workers_sleep()
+parked = [t.name for t in threading.enumerate() if t.name == "maru-openmp-park"]
+after = (torch.get_num_threads(), len(os.listdir("/proc/self/task")))
+torch.empty(1 << 20).fill_(1.0)  # the main thread's own team still runs torch's threads
+print(json.dumps({"why_not": openmpwait.why_not(), "first": first, "again": again, "parked": parked,
+                  "before": before, "after": after, "cpus": len(os.sched_getaffinity(0))}))
+"""
+
+
+def _probe(threads: int, **env) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    e.update(env, PROBE_THREADS=str(threads), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=e, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_team_of_every_cpu_is_parked_once_and_torch_keeps_its_threads():
+    r = _probe(2)
+    if r["why_not"] is not None:
+        pytest.skip(f"no libgomp here: {r['why_not']}")
+    assert r["first"] and r["again"] and r["parked"] == ["maru-openmp-park"]
+    assert r["after"][0] == r["before"][0] == 2  # torch's intra-op threads unchanged
+    # the parked thread and its team's workers: more OpenMP threads than CPUs, libgomp's throttled wait
+    assert r["after"][1] - r["before"][1] >= r["cpus"]
+
+
+@pytest.mark.parametrize("env, reason", [({"OMP_WAIT_POLICY": "passive"}, "OMP_WAIT_POLICY set"),
+                                         ({"GOMP_SPINCOUNT": "10000"}, "GOMP_SPINCOUNT set")])
+def test_the_users_own_wait_policy_wins(env, reason):
+    r = _probe(2, **env)
+    assert r["why_not"] == reason and not r["first"] and not r["parked"]
+    assert r["after"][1] == r["before"][1]
+
+
+def test_one_torch_thread_has_no_worker_to_spin():
+    r = _probe(1)
+    assert r["why_not"] == "torch runs one thread" and not r["first"] and not r["parked"]
+
+
+def test_the_backend_parks_the_team_unless_told_to_spin(monkeypatch):
+    import hicache_helpers as hh
+    from maru_sglang import maru_storage, openmpwait
+
+    calls = []
+    monkeypatch.setattr(maru_storage, "let_idle_workers_sleep", lambda: calls.append(1) or True)
+    for value, expected in ((None, 1), ("sleep", 1), ("spin", 0)):
+        calls.clear()
+        extra = hh.extra_config("/dev/shm/unused-openmpwait", **({} if value is None else {"maru_openmp_wait": value}))
+        maru_storage.MaruStorage(hh.storage_config(extra))
+        assert len(calls) == expected, value
+    assert openmpwait.USER_SETTINGS == ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
