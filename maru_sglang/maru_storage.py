@@ -30,6 +30,7 @@ same pool file and moves pages directly between its host pool and the file.
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any, List, Optional
 
@@ -53,6 +54,7 @@ from .tiers.twotiers import TwoTiers
 
 logger = logging.getLogger("maru_sglang")
 
+POOL_COUNTS_EVERY_S = 1.0  # how stale get_stats' pool-wide eviction count may be
 SUPPORTED_LAYOUTS = ("page_first_direct", "page_first", "page_head", "layer_first", "page_first_kv_split")
 
 
@@ -77,6 +79,7 @@ class MaruStorage(HiCacheStorage):
                                   self.pool.declare, self.log_once)
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
+        self._counts_cache: tuple[float, dict] = (float("-inf"), {})  # (monotonic time read, Store.counts())
         if self.config.openmp_wait == "sleep":
             let_idle_workers_sleep()  # the scheduler's spinning OpenMP workers would take the cores it shares
 
@@ -332,14 +335,25 @@ class MaruStorage(HiCacheStorage):
 
     def _figures(self, m) -> dict:
         mine = self.local.drain(m)
-        try:
-            store = self.pool.store  # None before the pool is attached and after close()
-            pool = store.counts() if store is not None else {}
-        except Exception as e:
-            self.log_once("get_stats", e)
-            pool = {}
+        pool = self._pool_counts()
         mine.update({"evictions": pool.get("evictions", 0), "page_bytes": self.page_bytes,
                      "pools": self.hybrid.stats(), "pool": self.pool.stats()})
         if self.tier2 is not None:
             mine["tier2"] = self.tier2.stats()
         return mine
+
+    def _pool_counts(self) -> dict:
+        """The pool-wide counters, read at most every POOL_COUNTS_EVERY_S: get_stats runs once per scheduler
+        loop, and a loop that waits on a prefetch turns thousands of times a second (SGLang's on_idle)."""
+        now = time.monotonic()
+        read_at, counts = self._counts_cache
+        if now - read_at < POOL_COUNTS_EVERY_S:
+            return counts
+        try:
+            store = self.pool.store  # None before the pool is attached and after close()
+            counts = store.counts() if store is not None else {}
+        except Exception as e:
+            self.log_once("get_stats", e)
+            counts = {}
+        self._counts_cache = (now, counts)
+        return counts

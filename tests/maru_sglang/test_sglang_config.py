@@ -210,3 +210,23 @@ def test_get_stats_reads_counters_and_never_scans_the_pool(mha_llama, monkeypatc
     monkeypatch.setattr(Store, "stats", lambda self: pytest.fail("get_stats() scanned the pool"))
     m = backend.get_stats()
     assert m.maru["sets"] == 2 and m.maru["evictions"] == 0
+
+
+def test_get_stats_reads_the_pool_counters_at_most_once_a_second(mha_llama, monkeypatch):
+    """A scheduler loop that waits on a prefetch calls get_stats() thousands of times a second: the pool-wide
+    counters (Store.counts(), most of the call's cost) are read once per POOL_COUNTS_EVERY_S, the per-call
+    figures on every call."""
+    from maru_sglang import maru_storage
+
+    host, backend = mha_llama
+    assert backend.batch_set_v1(prompt_keys(2, "often"), page_indices(host, 0, 2)) == [True] * 2
+    reads, real = [], Store.counts
+    monkeypatch.setattr(Store, "counts", lambda self: reads.append(1) or real(self))
+    clock = [1e12]  # later than any real monotonic reading
+    monkeypatch.setattr(maru_storage.time, "monotonic", lambda: clock[0])
+    for _ in range(50):
+        m = backend.get_stats()
+    assert len(reads) == 1 and m.maru["sets"] == 2 and m.maru["evictions"] == 0
+    clock[0] += maru_storage.POOL_COUNTS_EVERY_S
+    backend.get_stats()
+    assert len(reads) == 2
