@@ -22,11 +22,14 @@ import ctypes
 import logging
 import os
 import threading
+import time
+
+from .sync import Mutex
 
 logger = logging.getLogger("maru_sglang")
 
 USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-_lock = threading.Lock()
+_lock = Mutex("openmpwait")
 _parked_in: int | None = None  # the pid whose parked thread runs (a forked child has none)
 
 
@@ -74,7 +77,8 @@ def _park(gomp: ctypes.CDLL, team: int, started: threading.Event) -> None:
         torch.empty(grain * team).fill_(0.0)
     finally:
         started.set()
-    threading.Event().wait()
+    while True:  # parked for the process's life: its team must outlive every forward
+        time.sleep(3600)
 
 
 def let_idle_workers_sleep() -> bool:
