@@ -82,20 +82,28 @@ def _park(gomp: ctypes.CDLL, team: int, started: threading.Event) -> None:
 
 
 def let_idle_workers_sleep() -> bool:
-    """Park one thread owning a team of every CPU, once per process. True if it runs (now or already)."""
+    """Park one thread owning a team of every CPU, once per process. True if it runs (now or already).
+    Never raises: the host runs as it would without it."""
     global _parked_in
     with _lock:
         if _parked_in == os.getpid():
             return True
+        if _parked_in is not None:  # a fork: libgomp's teams do not survive it, and a new one could hang
+            return False
         reason = why_not()
         if reason is not None:
             logger.info("maru: the host's idle OpenMP workers keep libgomp's default wait (%s)", reason)
             return False
-        gomp = ctypes.CDLL(_libgomp_path())
-        started = threading.Event()
         team = _cpus()
-        threading.Thread(target=_park, args=(gomp, team, started), name="maru-openmp-park", daemon=True).start()
-        started.wait(10.0)
+        try:
+            gomp = ctypes.CDLL(_libgomp_path())
+            started = threading.Event()
+            threading.Thread(target=_park, args=(gomp, team, started), name="maru-openmp-park", daemon=True).start()
+            started.wait(10.0)
+        except Exception as e:
+            logger.warning("maru: the host's idle OpenMP workers keep libgomp's default wait (%s: %s)",
+                           type(e).__name__, e)
+            return False
         _parked_in = os.getpid()
     logger.info("maru: the host's idle OpenMP workers now sleep instead of spinning (a parked team of %d; "
                 "maru_openmp_wait: spin keeps libgomp's default)", team)

@@ -23,6 +23,10 @@ PROBE = r"""
 import json, os, threading, torch
 from maru_sglang import openmpwait
 torch.set_num_threads(int(os.environ["PROBE_THREADS"]))
+if os.environ.get("PROBE_NO_LIBRARY"):  # the runtime cannot be loaded by name: the host runs on, unchanged
+    def refuse(path):
+        raise OSError(f"cannot load {path}")
+    openmpwait.ctypes.CDLL = refuse
 before = (torch.get_num_threads(), len(os.listdir("/proc/self/task")))
 first = openmpwait.let_idle_workers_sleep()
 again = openmpwait.let_idle_workers_sleep()
@@ -58,6 +62,13 @@ def test_the_users_own_wait_policy_wins(env, reason):
     r = _probe(2, **env)
     assert r["why_not"] == reason and not r["first"] and not r["parked"]
     assert r["after"][1] == r["before"][1]
+
+
+def test_a_runtime_that_cannot_be_loaded_leaves_the_host_as_it_was():
+    r = _probe(2, PROBE_NO_LIBRARY="1")
+    if r["why_not"] is not None:
+        pytest.skip(f"no libgomp here: {r['why_not']}")
+    assert not r["first"] and not r["parked"] and r["after"] == r["before"]
 
 
 def test_one_torch_thread_has_no_worker_to_spin():
