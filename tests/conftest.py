@@ -98,7 +98,6 @@ def in_finalizer(frame) -> bool:
     return False
 
 
-
 def interrupt_at_line(n: int | None, files: tuple, seen: list | None = None):
     """A trace function that raises KeyboardInterrupt at the n-th line event inside `files` (as a SIGINT
     would, between two bytecodes; never, for None), counting the events in `seen`[0]. Python unsets a trace
@@ -147,6 +146,7 @@ def held_by_another_thread(lock_cm, wait_s: float = 30):
     finally:
         release.set()
         t.join()
+
 
 # Tests with one instance per xdist worker that want all their instances running at once on one pool.
 PER_WORKER_TESTS = ("test_stress_shared_pool", "test_shared_pool_mixed_workload")

@@ -30,8 +30,7 @@ from maru_shm import PoolView, format_size, pool_report, remove_pool
 
 NAMES = ("none", "file", "mooncake", "maru", "maru-spin")
 BOUNDED = ("mooncake", "maru", "maru-spin")  # the tiers a budget limits; the others run once, at no budget
-MARU = ("maru", "maru-spin")  # MaruStorage, with the keys each adds to the extra config
-MARU_KEYS = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"}}
+MARU = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"}}  # MaruStorage, with the keys each adds
 
 
 class L3:
@@ -75,7 +74,7 @@ class L3:
     def spec_fields(self) -> dict:
         """ServerSpec fields for this tier."""
         if self.name in MARU:
-            return {"l3": "maru", "pool": self.pool, "pool_size": str(self.budget), "maru_keys": MARU_KEYS[self.name]}
+            return {"l3": "maru", "pool": self.pool, "pool_size": str(self.budget), "maru_keys": MARU[self.name]}
         if self.name == "file":
             return {"l3": "file", "file_dir": self.file_dir}
         if self.name == "mooncake":
@@ -85,8 +84,10 @@ class L3:
     def left_after_clear(self) -> int | None:
         """Entries still reachable after a clear: 0 when empty, None where it cannot be counted (MaruStorage:
         its clear() makes every page unreachable at once, and its entries stay until evicted)."""
-        if self.name == "none" or self.name in MARU:
-            return 0 if self.name == "none" else None
+        if self.name == "none":
+            return 0
+        if self.name in MARU:
+            return None
         return self.counters()["entries"]
 
     def counters(self) -> dict:

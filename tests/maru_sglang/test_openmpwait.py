@@ -78,7 +78,7 @@ def test_one_torch_thread_has_no_worker_to_spin():
 
 def test_the_backend_parks_the_team_unless_told_to_spin(monkeypatch):
     import hicache_helpers as hh
-    from maru_sglang import maru_storage, openmpwait
+    from maru_sglang import maru_storage
 
     calls = []
     monkeypatch.setattr(maru_storage, "let_idle_workers_sleep", lambda: calls.append(1) or True)
@@ -87,4 +87,3 @@ def test_the_backend_parks_the_team_unless_told_to_spin(monkeypatch):
         extra = hh.extra_config("/dev/shm/unused-openmpwait", **({} if value is None else {"maru_openmp_wait": value}))
         maru_storage.MaruStorage(hh.storage_config(extra))
         assert len(calls) == expected, value
-    assert openmpwait.USER_SETTINGS == ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
