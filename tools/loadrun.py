@@ -6,7 +6,8 @@ own figures. Tokens from L3 are SGLang's count, `sglang:cached_tokens_total{cach
 /metrics (per server: the tokenizer process counts for all of a server's DP ranks), next to the sum the
 client saw in each reply's cached_tokens_details. Pages prefetched from and backed up to L3 come from
 `sglang:prefetch_pgs` and `sglang:backup_pgs`, labelled by DP rank where SGLang exports them (0.5.23 shows
-rank 0's only with --dp-size 2, and none for HiCacheFile).
+rank 0's only with --dp-size 2, and none for HiCacheFile). CPU seconds per server process name
+(tools/proccpu.py) say where the cores went during the client's run.
 
 `greedy_check` sends a fixed subset of the run's prompts one at a time, greedy, to the last scheduler after
 flushing device and host caches (their KV then comes from L3), then again with the L3 emptied (recompute):
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import benchclient
+from . import benchclient, proccpu
 
 WARM_TEXT = " ".join(["hi"] * 72)  # a short prompt (over four 16-token pages) every tokenizer can read
 
@@ -90,11 +91,14 @@ def warm(deployment, output_len: int = 1) -> None:
 
 
 def run_load(deployment, l3, workload: Workload, model_dir: str, work_dir: str, tag: str) -> tuple[dict, object]:
-    """One measured run after emptying every cache: (figures, the benchclient.ClientRun)."""
+    """One measured run after emptying every cache: (figures, the benchclient.ClientRun). Per request, in
+    the order the client made them: its TTFT and its tokens from L3 (which requests lost a prefix race)."""
     left = empty_l3(deployment, l3)
     before_l3, before = l3.counters(), counters(deployment)
+    cpu_before = [proccpu.group_cpu(s.proc.pid) for s in deployment.servers]
     run = benchclient.run(deployment.url, model_dir, workload.args, work_dir, tag=tag, seed=workload.seed,
                           rate=workload.rate, concurrency=workload.concurrency)
+    cpu = [proccpu.delta(proccpu.group_cpu(s.proc.pid), b) for s, b in zip(deployment.servers, cpu_before)]
     after, after_l3 = counters(deployment), l3.counters()
     r = run.result
     storage = [a - b for a, b in zip(after["cached"]["storage"], before["cached"]["storage"])]
@@ -109,6 +113,9 @@ def run_load(deployment, l3, workload: Workload, model_dir: str, work_dir: str, 
         "client_storage_tokens": run.storage_tokens(),
         "prefetch_pages": _delta(after["prefetch_pages"], before["prefetch_pages"]),
         "backup_pages": _delta(after["backup_pages"], before["backup_pages"]),
+        "ttfts_ms": [round(t * 1000, 1) for t in r.get("ttfts", [])],
+        "storage_per_request": [int((d or {}).get("storage") or 0) for d in r.get("cached_tokens_details", [])],
+        "cpu_by_process": cpu,
         "evictions": None if after_l3["evictions"] is None else after_l3["evictions"] - before_l3["evictions"],
         "l3_entries": after_l3["entries"], "l3_bytes": after_l3["bytes"], "l3_left_before": left,
     }

@@ -265,3 +265,28 @@ def test_closing_ends_idle_connections_quietly(upstreams, capfd):
     assert idle.recv(1) == b""  # closed by the forwarder
     idle.close()
     assert "Task was destroyed" not in capfd.readouterr().err
+
+
+def test_cpu_is_counted_per_process_name_of_one_group():
+    """A busy child in its own session: its CPU shows under its name, as its group's only process."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from tools import proccpu
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        before = proccpu.group_cpu(child.pid)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            after = proccpu.group_cpu(child.pid)
+            if sum(r["cpu_s"] for r in after.values()) >= 0.3:
+                break
+            time.sleep(0.05)
+        spent = proccpu.delta(after, before)
+        assert list(after) == [os.path.basename(sys.executable)[:15]] and after[list(after)[0]]["processes"] == 1
+        assert sum(r["cpu_s"] for r in spent.values()) >= 0.25
+    finally:
+        child.kill()
+        child.wait()

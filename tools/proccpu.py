@@ -1,0 +1,72 @@
+"""CPU seconds a server's processes spent, by process name, read from /proc: the counter that tells where a
+load run's cores went (each scheduler, SGLang's DP controller, its tokenizer and detokenizer).
+
+A server is one process group (tools/serving.py starts each in its own session). Names are the kernel's
+`comm` (SGLang renames its processes: "sglang::schedul", "sglang::data_pa", ...); processes sharing a name
+are summed. Threads' voluntary context switches are summed with them: an OpenMP worker that spins instead of
+sleeping shows as CPU with almost no voluntary switches (BENCHMARKS.md, "At load").
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _stat_fields(pid: str) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # after the name, which may hold spaces or parentheses
+
+
+def _voluntary_switches(pid: str) -> int:
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def group_cpu(pgid: int) -> dict[str, dict]:
+    """{process name: {"processes": n, "cpu_s": user + system seconds, "voluntary_switches": of all threads}}
+    for the live processes of process group `pgid`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fields = _stat_fields(pid)
+        if fields is None or len(fields) < 13 or int(fields[2]) != pgid:  # fields[2]: pgrp
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        row = out.setdefault(name, {"processes": 0, "cpu_s": 0.0, "voluntary_switches": 0})
+        row["processes"] += 1
+        row["cpu_s"] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime of the whole thread group
+        row["voluntary_switches"] += _voluntary_switches(pid)
+    return out
+
+
+def delta(after: dict[str, dict], before: dict[str, dict]) -> dict[str, dict]:
+    """What each process name spent between two readings (a process that started meanwhile counts whole)."""
+    out = {}
+    for name, row in after.items():
+        prev = before.get(name, {})
+        out[name] = {"cpu_s": round(row["cpu_s"] - prev.get("cpu_s", 0.0), 2),
+                     "voluntary_switches": row["voluntary_switches"] - prev.get("voluntary_switches", 0)}
+    return out
