@@ -106,6 +106,8 @@ class RoundRobin:
             writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
             pass
+        except asyncio.CancelledError:
+            pass  # close() ends it: a connection task that ends cancelled makes asyncio log its "exception"
         finally:
             writer.close()  # the transport sends what is buffered, then closes
 

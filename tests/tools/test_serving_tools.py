@@ -267,6 +267,38 @@ def test_closing_ends_idle_connections_quietly(upstreams, capfd):
     assert "Task was destroyed" not in capfd.readouterr().err
 
 
+def test_closing_ends_a_relay_in_flight_quietly(capfd, caplog):
+    """A request whose upstream has not answered yet when the forwarder closes: its connection task ends
+    without asyncio logging a cancelled task's "exception"."""
+    import socket
+    import time
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            time.sleep(2)
+
+        def log_message(self, *a):
+            pass
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    rr = RoundRobin([f"http://127.0.0.1:{slow.server_address[1]}"])
+    try:
+        client = socket.create_connection(("127.0.0.1", rr.port), timeout=10)
+        client.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+        deadline = time.monotonic() + 10
+        while not rr.routed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rr.routed  # relayed, the upstream still thinking
+        rr.close()
+        assert client.recv(1) == b""
+        client.close()
+    finally:
+        slow.shutdown()
+        slow.server_close()
+    said = capfd.readouterr().err + caplog.text
+    assert "Exception in callback" not in said and "Task was destroyed" not in said
+
+
 def test_cpu_is_counted_per_process_name_of_one_group():
     """A busy child in its own session: its CPU shows under its name, as its group's only process."""
     import os
