@@ -3,8 +3,8 @@ load run's cores went (each scheduler, SGLang's DP controller, its tokenizer and
 
 A server is one process group (tools/serving.py starts each in its own session). Names are the kernel's
 `comm` (SGLang renames its processes: "sglang::schedul", "sglang::data_pa", ...); processes sharing a name
-are summed. Threads' voluntary context switches are summed with them: an OpenMP worker that spins instead of
-sleeping shows as CPU with almost no voluntary switches (BENCHMARKS.md, "At load").
+are summed, and so are their threads' voluntary context switches (how often they slept). Per-thread figures,
+which single out a spinning OpenMP worker (BENCHMARKS.md, "At load"), need `top -H` or /proc/PID/task.
 """
 
 from __future__ import annotations
