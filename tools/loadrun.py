@@ -7,7 +7,7 @@ own figures. Tokens from L3 are SGLang's count, `sglang:cached_tokens_total{cach
 client saw in each reply's cached_tokens_details. Pages prefetched from and backed up to L3 come from
 `sglang:prefetch_pgs` and `sglang:backup_pgs`, labelled by DP rank where SGLang exports them (0.5.23 shows
 rank 0's only with --dp-size 2, and none for HiCacheFile). CPU seconds per server process name
-(tools/proccpu.py) say where the cores went during the client's run.
+(tools/procgroup.py) say where the cores went during the client's run.
 
 `greedy_check` sends a fixed subset of the run's prompts one at a time, greedy, to the last scheduler after
 flushing device and host caches (their KV then comes from L3), then again with the L3 emptied (recompute):
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import benchclient, proccpu
+from . import benchclient, procgroup
 
 WARM_TEXT = " ".join(["hi"] * 72)  # a short prompt (over four 16-token pages) every tokenizer can read
 
@@ -95,10 +95,10 @@ def run_load(deployment, l3, workload: Workload, model_dir: str, work_dir: str, 
     the order the client made them: its TTFT and its tokens from L3 (which requests lost a prefix race)."""
     left = empty_l3(deployment, l3)
     before_l3, before = l3.counters(), counters(deployment)
-    cpu_before = [proccpu.group_cpu(s.proc.pid) for s in deployment.servers]
+    cpu_before = [procgroup.group_cpu(s.proc.pid) for s in deployment.servers]
     run = benchclient.run(deployment.url, model_dir, workload.args, work_dir, tag=tag, seed=workload.seed,
                           rate=workload.rate, concurrency=workload.concurrency)
-    cpu = [proccpu.delta(proccpu.group_cpu(s.proc.pid), b) for s, b in zip(deployment.servers, cpu_before)]
+    cpu = [procgroup.delta(procgroup.group_cpu(s.proc.pid), b) for s, b in zip(deployment.servers, cpu_before)]
     after, after_l3 = counters(deployment), l3.counters()
     r = run.result
     storage = [a - b for a, b in zip(after["cached"]["storage"], before["cached"]["storage"])]

@@ -322,13 +322,10 @@ class Server:
 def sglang_shm_files(pgid: int) -> set[str]:
     """The /dev/shm/sglang_loads_* files that processes of group `pgid` hold open: SGLang's load snapshots,
     which it never removes. Only a server's own files are named, not those of other servers on the host."""
+    from .procgroup import group_pids
     found = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
             fd_dir = f"/proc/{pid}/fd"
             for fd in os.listdir(fd_dir):
                 target = os.readlink(os.path.join(fd_dir, fd))

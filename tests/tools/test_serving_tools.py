@@ -305,18 +305,18 @@ def test_cpu_is_counted_per_process_name_of_one_group():
     import subprocess
     import sys
     import time
-    from tools import proccpu
+    from tools import procgroup
     code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
     child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
-        before = proccpu.group_cpu(child.pid)
+        before = procgroup.group_cpu(child.pid)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            after = proccpu.group_cpu(child.pid)
+            after = procgroup.group_cpu(child.pid)
             if sum(r["cpu_s"] for r in after.values()) >= 0.3:
                 break
             time.sleep(0.05)
-        spent = proccpu.delta(after, before)
+        spent = procgroup.delta(after, before)
         assert list(after) == [os.path.basename(sys.executable)[:15]] and after[list(after)[0]]["processes"] == 1
         assert sum(r["cpu_s"] for r in spent.values()) >= 0.25
     finally:

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 
+from ..procgroup import state
 from .registry import figure, progress_of, scenario
 
 NAME = "serving-kill"
@@ -55,22 +56,13 @@ def _pids(procs: list[dict]) -> set[int]:
     return {p["pid"] for p in procs}
 
 
-def _state(pid: int) -> str:
-    """The kernel's state letter of `pid` ("Z": exited, not yet waited for), or "gone"."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
 def _watch_slots(pool: str, pids: list[int], timeout: float = 30) -> list[dict]:
     """From the kill on, every change of the killed schedulers' process states and of their pool slots
     (alive / dead / reaped), until every one has exited and its slot reads dead or reaped."""
     t0, seen, out = time.monotonic(), None, []
     while True:
         listed = {p["pid"]: p["alive"] for p in _pool_processes(pool)}
-        now = [(pid, _state(pid), "reaped" if pid not in listed else ("alive" if listed[pid] else "dead"))
+        now = [(pid, state(pid), "reaped" if pid not in listed else ("alive" if listed[pid] else "dead"))
                for pid in pids]
         if now != seen:
             out.append({"t_s": round(time.monotonic() - t0, 2), "pids": now})
