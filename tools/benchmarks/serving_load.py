@@ -5,7 +5,7 @@ For each deployment (tools/deployment.py: `dp`, SGLang's DP controller with 2 sc
 servers behind a round-robin forwarder; `one`, the 1-scheduler reference), each thread setting (`1`
 OpenMP thread per scheduler, or torch's `default`) and each L3 (tools/l3backends.py: none, HiCacheFile,
 SGLang's MooncakeStore with a real master, MaruStorage; the bounded ones at every --serving-pools size),
-servers are started fresh, warmed, and run every workload and seed --repeat times (at most 3), each run
+servers are started fresh, warmed, and run every workload and seed --serving-repeat times, each run
 after every cache level is emptied. Workloads: generated-shared-prefix, and a cut of the Mooncake
 synthetic trace replayed by the client's `mooncake` dataset (tools/tracecut.py). After a workload's
 runs a fixed greedy subset of its prompts is answered from L3 and recomputed: the tokens must agree.
@@ -27,7 +27,6 @@ NAME = "serving"
 TRACE = os.path.join("shared", "traces", "mooncake_synthetic.jsonl")
 MEASURES = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "request_throughput", "input_throughput",
             "storage_tokens", "client_storage_tokens", "hit_rate_pct", "duration_s")
-MAX_REPEAT = 3
 
 
 def default_trace() -> str | None:
@@ -154,7 +153,7 @@ def bench_serving(args) -> dict:
     from ..l3backends import L3
     from ..loadrun import warm
     progress = progress_of(args)
-    repeat = max(1, min(args.repeat, MAX_REPEAT))
+    repeat = max(1, getattr(args, "serving_repeat", 3))
     work = tempfile.mkdtemp(prefix="maru-bench-serving-")
     cells, skipped, prompts_cache = [], [], {}
     try:
