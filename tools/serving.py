@@ -144,7 +144,11 @@ class ServerSpec:
         if self.dummy_weights:
             argv += ["--load-format", "dummy"]
         if self.device == "cpu":
-            argv += ["--hicache-io-backend", "direct", "--sleep-on-idle"]
+            # No overlap scheduling on a CPU: a forward there is synchronous, so overlap only defers each batch's
+            # result processing, and with it the write-through that feeds L3, until the next batch has run. When
+            # that batch is a prefill, a prefix reaches the other schedulers seconds late, and the sooner the L3
+            # answers a new request's lookup, the likelier that is (#49, BENCHMARKS.md "At load").
+            argv += ["--hicache-io-backend", "direct", "--sleep-on-idle", "--disable-overlap-schedule"]
         if self.dp_size > 1:
             argv += ["--dp-size", str(self.dp_size), "--load-balance-method", "round_robin"]
         if self.metrics:
