@@ -124,8 +124,8 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
                    help="budgets of the bounded L3s (maru, mooncake), comma separated (default 1G,96M: one holds "
                         "the default workloads, one forces eviction)")
     g.add_argument("--serving-repeat", type=int, default=3,
-                   help="serving: runs per cell, medians reported (default 3; a run takes about a minute on a CPU, "
-                        "and two schedulers' prefix race makes single runs a coin: more runs to settle a verdict)")
+                   help="serving: runs per cell, medians and min-max reported (default 3; a run takes about a minute "
+                        "on a CPU)")
     g.add_argument("--serving-seeds", type=_seed_list, help="client seeds, comma separated (default 1)")
     g.add_argument("--serving-gsp", default=[3, 6, 2048, 128], type=_gsp_shape,
                    help="generated-shared-prefix: groups,prompts per group,system prompt len,question len "
