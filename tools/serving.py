@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from .procgroup import group_pids
+
 
 @dataclass(frozen=True)
 class Model:
@@ -326,7 +328,6 @@ class Server:
 def sglang_shm_files(pgid: int) -> set[str]:
     """The /dev/shm/sglang_loads_* files that processes of group `pgid` hold open: SGLang's load snapshots,
     which it never removes. Only a server's own files are named, not those of other servers on the host."""
-    from .procgroup import group_pids
     found = set()
     for pid in group_pids(pgid):
         try:

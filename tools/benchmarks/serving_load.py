@@ -153,7 +153,7 @@ def bench_serving(args) -> dict:
     from ..l3backends import L3
     from ..loadrun import warm
     progress = progress_of(args)
-    repeat = max(1, getattr(args, "serving_repeat", 3))
+    repeat = max(1, args.serving_repeat)
     work = tempfile.mkdtemp(prefix="maru-bench-serving-")
     cells, skipped, prompts_cache = [], [], {}
     try:
