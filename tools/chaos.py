@@ -96,7 +96,8 @@ def _work(store, wid: int, nkeys: int, counters, seed: int) -> None:
 
 
 def run(path: str, seconds: float, workers: int, size: str, nkeys: int, seed: int, progress=None,
-        threads: int = 1) -> dict:
+        threads: int = 1, min_kills: int = 0) -> dict:
+    """Kill and respawn workers for `seconds`, and on until at least `min_kills` kills (a slow machine forks slowly)."""
     remove_pool(path)
     Store.open(path, size=size, create=True).close()
     ctx = mp.get_context("fork")
@@ -126,7 +127,7 @@ def run(path: str, seconds: float, workers: int, size: str, nkeys: int, seed: in
         p.join()
 
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end or kills < min_kills:
         time.sleep(rnd.uniform(0.02, 0.2))
         victim = rnd.randrange(len(procs))
         stop(procs[victim])
@@ -153,7 +154,7 @@ def run(path: str, seconds: float, workers: int, size: str, nkeys: int, seed: in
     ok = wrong == 0 and bad_values == 0 and after.ok and st["processes"] == 1 and crashes == 0
     orphans = sum("orphan" in p for p in before.problems)
     ok = ok and orphans == 0  # a dirty lock is repaired by its next holder, by design: not a failure
-    return {"ok": ok, "seconds": seconds, "workers": workers, "threads": threads, "kills": kills,
+    return {"ok": ok, "seconds": seconds, "min_kills": min_kills, "workers": workers, "threads": threads, "kills": kills,
             "worker_crashes": crashes, "orphans_after_reaping": orphans, "problems_after_reaping": before.problems[:20],
             "operations": ops,
             "wrong_reads": wrong, "repair_fixes": repaired.repaired, "problems_before_repair": repaired.problems[:20],
@@ -168,12 +169,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="threads per worker process, sharing its Store")
+    ap.add_argument("--min-kills", type=int, default=0, help="go on past --seconds until this many SIGKILLs")
     ap.add_argument("--size", default="128M")
     ap.add_argument("--keys", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = run(a.pool, a.seconds, a.workers, a.size, a.keys, a.seed, threads=a.threads)
+    res = run(a.pool, a.seconds, a.workers, a.size, a.keys, a.seed, threads=a.threads, min_kills=a.min_kills)
     if a.json:
         print(json.dumps(res, indent=2))
     else:
