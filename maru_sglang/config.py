@@ -26,7 +26,7 @@ KNOWN_KEYS = {
     "maru_timeout_ms", "maru_eager_map", "maru_mode", "maru_copy_threads", "maru_tier2",
     "maru_tier2_retry_s", "maru_heal_retry_s", "maru_openmp_wait", *SERVER_ONLY_KEYS, *RETIRED_KEYS,
 }
-OPENMP_WAITS = ("sleep", "spin")
+OPENMP_WAITS = ("auto", "sleep", "spin")
 DEFAULT_TIER2_RETRY_S = 2.0
 DEFAULT_HEAL_RETRY_S = 1.0
 
@@ -55,7 +55,7 @@ class MaruConfig:
     tier2: dict | None = None  # SGLang mooncake backend keys of the second tier; None: no second tier
     tier2_retry_s: float = DEFAULT_TIER2_RETRY_S
     heal_retry_s: float = DEFAULT_HEAL_RETRY_S  # how often the pool file is checked, and the first wait to reopen it
-    openmp_wait: str = "sleep"  # what the host's idle OpenMP workers do (maru_sglang.openmpwait)
+    openmp_wait: str = "auto"  # what the host's idle OpenMP workers do (maru_sglang.openmpwait)
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> "MaruConfig":

@@ -19,8 +19,9 @@ same pool file and moves pages directly between its host pool and the file.
 - The pool heals: truncated, removed (`maru-shm destroy --force`) or re-created
   under the server, it is detached and reopened with backoff, and calls answer
   misses meanwhile (maru_sglang.sharedpool).
-- The host's idle OpenMP workers sleep instead of spinning (maru_sglang.openmpwait):
-  schedulers that share cores otherwise lose them to each other's spinning.
+- The host's idle OpenMP workers sleep instead of spinning while the pool's processes
+  oversubscribe the cores (maru_sglang.openmpwait): schedulers that share cores
+  otherwise lose them to each other's spinning; one alone gains from the spin.
 - Hybrid models (Mamba, SWA, DSA, DeepSeek-V4 compressed pools) use the v2
   calls; their logic lives in maru_sglang.hybrid, these methods delegate.
 - Calls go one way: this adapter calls the parts it builds (LocalTier, HybridPools,
@@ -39,13 +40,13 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorage, HiCacheStorageConfig,
                                                   HiCacheStorageExtraInfo, PoolTransfer, PoolTransferResult)
 
-from maru_shm import Store, StoreError, format_size
+from maru_shm import Store, StoreError, format_size, pool_processes
 
 from .config import MaruConfig
 from .hybrid import HybridPools
 from .tiers.local import LocalTier
 from .namespace import KeySpace, kv_format_fingerprint, namespace_for
-from .openmpwait import let_idle_workers_sleep
+from .openmpwait import manage_idle_workers
 from .pages import host_indices_fit
 from .sharedpool import SharedPool
 from .sync import public_calls
@@ -80,8 +81,13 @@ class MaruStorage(HiCacheStorage):
         self.tier2: SecondTier | None = None  # Mooncake Store behind the pool (maru_tier2), once pools are known
         self.tiers: TwoTiers | None = None
         self._counts_cache: tuple[float, dict] = (float("-inf"), {})  # (monotonic time read, Store.counts())
-        if self.config.openmp_wait == "sleep":
-            let_idle_workers_sleep()  # the scheduler's spinning OpenMP workers would take the cores it shares
+        # the scheduler's spinning OpenMP workers would take the cores it shares with the pool's other processes
+        manage_idle_workers(self.config.openmp_wait, self._live_processes)
+
+    def _live_processes(self) -> int | None:
+        """Processes attached to the pool, this one included; None while it is not attached."""
+        store = self.pool.current()
+        return None if store is None else sum(1 for p in pool_processes(store) if p["alive"])
 
     @property
     def page_bytes(self) -> int | None:

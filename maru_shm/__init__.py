@@ -17,7 +17,7 @@ from .errors import (CorruptPoolError, LockFileError, LockTimeout, NotAPoolError
 from .format.geometry import Geometry
 from .index import key_digest, prefixed_digest, prefixed_digests
 from .checks.view import PoolView
-from .checks.figures import report as pool_report
+from .checks.figures import processes as pool_processes, report as pool_report
 from .sizes import format_size, parse_size
 from .store import Store
 
@@ -27,7 +27,7 @@ __all__ = [
     # the store
     "Store", "key_digest", "prefixed_digest", "prefixed_digests", "EvictionSettings", "eviction_settings",
     # administration and read-only views (the CLI's way in)
-    "PoolView", "pool_report", "check_pool", "repair_pool", "destroy_pool", "remove_pool", "plan_pool", "is_device",
+    "PoolView", "pool_report", "pool_processes", "check_pool", "repair_pool", "destroy_pool", "remove_pool", "plan_pool", "is_device",
     "CheckReport", "Geometry",
     # errors
     "StoreError", "NotAPoolError", "VersionError", "CorruptPoolError", "TruncatedPoolError",

@@ -9,8 +9,9 @@ what each one tells about its contents and evictions.
             memory of their own (global_segment_size 0), so the budget is the whole store. The master's
             metrics count evicted keys (a page is one key per K and V buffer, or one).
   maru      MaruStorage on one pool file of the budget's size; its counters count evicted values.
-  maru-spin the same with `maru_openmp_wait: spin`: the host's idle OpenMP workers spin, as without the
-            pool (maru_sglang.openmpwait), the A/B of that rule. Asked for by name, never by default.
+  maru-spin, maru-sleep  the same with `maru_openmp_wait: spin` (the host's idle OpenMP workers spin, as
+            without the pool) or `sleep` (they always sleep): with maru's `auto`, the A/B of that rule
+            (maru_sglang.openmpwait). Asked for by name, never by default.
 Counters are read without attaching to the pool (a read-only view), so reading them never reaps a slot.
 
 Emptying between runs is SGLang's /hicache/storage-backend/clear, each backend's own clear(). HiCacheFile
@@ -28,9 +29,11 @@ import urllib.request
 
 from maru_shm import PoolView, format_size, pool_report, remove_pool
 
-NAMES = ("none", "file", "mooncake", "maru", "maru-spin")
-BOUNDED = ("mooncake", "maru", "maru-spin")  # the tiers a budget limits; the others run once, at no budget
-MARU = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"}}  # MaruStorage, with the keys each adds
+NAMES = ("none", "file", "mooncake", "maru", "maru-spin", "maru-sleep")
+BOUNDED = ("mooncake", "maru", "maru-spin", "maru-sleep")  # the tiers a budget limits; the others run once
+MARU = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"},
+        "maru-sleep": {"maru_openmp_wait": "sleep"}}  # MaruStorage, with the keys each adds
+WAIT_ARMS = ("maru-spin", "maru-sleep")  # MaruStorage with another OpenMP wait: with one thread, maru again
 
 
 class L3:

@@ -1,4 +1,5 @@
-"""maru_sglang.openmpwait: the parked OpenMP team that lets the host's idle workers sleep (issue #49).
+"""maru_sglang.openmpwait: the parked OpenMP team that lets the host's idle workers sleep (issue #49), and
+`auto`, which parks it only while the pool's processes outnumber the CPUs.
 
 Each case runs in a fresh interpreter: the team is parked once per process, and libgomp reads its
 environment once, when it loads. What the team changes (a worker that sleeps instead of spinning) is a
@@ -28,8 +29,8 @@ if os.environ.get("PROBE_NO_LIBRARY"):  # the runtime cannot be loaded by name: 
         raise OSError(f"cannot load {path}")
     openmpwait.ctypes.CDLL = refuse
 before = (torch.get_num_threads(), len(os.listdir("/proc/self/task")))
-first = openmpwait.let_idle_workers_sleep()
-again = openmpwait.let_idle_workers_sleep()
+first = openmpwait.manage_idle_workers("sleep")
+again = openmpwait.manage_idle_workers("sleep")
 parked = [t.name for t in threading.enumerate() if t.name == "maru-openmp-park"]
 after = (torch.get_num_threads(), len(os.listdir("/proc/self/task")))
 torch.empty(1 << 20).fill_(1.0)  # the main thread's own team still runs torch's threads
@@ -76,14 +77,64 @@ def test_one_torch_thread_has_no_worker_to_spin():
     assert r["why_not"] == "torch runs one thread" and not r["first"] and not r["parked"]
 
 
-def test_the_backend_parks_the_team_unless_told_to_spin(monkeypatch):
+AUTO_PROBE = r"""
+import json, os, threading, time, torch
+from maru_sglang import openmpwait
+torch.set_num_threads(2)
+openmpwait.CHECK_S = 0.05
+count = {"n": None}
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+def parked():
+    return [t.name for t in threading.enumerate() if t.name == openmpwait.PARK_THREAD]
+def settle():
+    time.sleep(0.5)
+    torch.empty(1 << 20).fill_(1.0)  # the main thread's team still runs, whatever the parked one does
+    return {"parked": parked(), "tasks": tasks()}
+before = tasks()
+ok = openmpwait.manage_idle_workers("auto", lambda: count["n"])
+seen = {"before": before, "ok": ok, "cpus": len(os.sched_getaffinity(0)), "unknown": settle()}
+count["n"] = 1
+seen["alone"] = settle()
+count["n"] = seen["cpus"]
+seen["crowded"] = settle()
+count["n"] = None
+seen["unknown_again"] = settle()
+count["n"] = 1
+seen["alone_again"] = settle()
+print(json.dumps(seen))
+"""
+
+
+def test_auto_parks_the_team_while_the_pools_processes_outnumber_the_cpus():
+    """`auto`: parked until the pool's processes are counted, and while they (each with this one's 2
+    threads) outnumber the CPUs; alone, the parked thread ends and libgomp frees its team, so the workers
+    spin again; an unknown count changes nothing."""
+    e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", AUTO_PROBE], env={**e, "PYTHONPATH": ROOT}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not r["ok"]:
+        pytest.skip("no libgomp here")
+    if r["cpus"] < 2:
+        pytest.skip("one CPU: two threads always outnumber it")
+    team = r["unknown"]["tasks"] - r["alone"]["tasks"]
+    assert r["unknown"]["parked"] and team >= r["cpus"]  # the parked thread and its workers
+    assert not r["alone"]["parked"]
+    assert r["crowded"]["parked"] and r["crowded"]["tasks"] == r["unknown"]["tasks"]
+    assert r["unknown_again"] == r["crowded"]
+    assert r["alone_again"] == r["alone"]
+
+
+def test_the_backend_applies_its_wait_setting(monkeypatch):
     import hicache_helpers as hh
     from maru_sglang import maru_storage
 
     calls = []
-    monkeypatch.setattr(maru_storage, "let_idle_workers_sleep", lambda: calls.append(1) or True)
-    for value, expected in ((None, 1), ("sleep", 1), ("spin", 0)):
+    monkeypatch.setattr(maru_storage, "manage_idle_workers", lambda mode, processes: calls.append(mode) or True)
+    for value, expected in ((None, "auto"), ("auto", "auto"), ("sleep", "sleep"), ("spin", "spin")):
         calls.clear()
         extra = hh.extra_config("/dev/shm/unused-openmpwait", **({} if value is None else {"maru_openmp_wait": value}))
         maru_storage.MaruStorage(hh.storage_config(extra))
-        assert len(calls) == expected, value
+        assert calls == [expected], value

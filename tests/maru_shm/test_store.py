@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
-from maru_shm import PoolClosedError, Store, ValueTooLargeError
+from maru_shm import PoolClosedError, Store, ValueTooLargeError, pool_processes
 from maru_shm.format.layout import COUNTER_NAMES, ENTRY_STRUCT, FLAG_PINNED, META_FLAGS_OFF, length_flags
 from maru_shm.index import key_digest
 
@@ -353,6 +355,31 @@ def test_a_forked_child_cannot_use_the_parents_store(store):
     assert store.get("a") == v and store.put("b", make_value("b", 1, 5000))
     assert store.stats()["processes"] == 1
     assert_clean(store, reap=False)
+
+
+def test_pool_processes_tell_the_live_from_the_dead(store):
+    """pool_processes(): the claimed slots, alive while their process lives. A SIGKILLed process is dead at
+    once (the kernel drops its SLOT lock), before anything reaps its slot."""
+    def attached():
+        return sum(1 for p in pool_processes(store) if p["alive"])
+    assert attached() == 1
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            Store.open(store.path)
+            os.write(ready_w, b"1")
+            time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+    assert attached() == 2 and len(pool_processes(store)) == 2
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert attached() == 1 and len(pool_processes(store)) == 2  # dead, not yet reaped
+    assert store.reap_dead() == 1 and attached() == 1 and len(pool_processes(store)) == 1
 
 
 # ---------------------------------------------------------------- bad input is refused, never half-honoured

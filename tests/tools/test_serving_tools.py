@@ -223,7 +223,8 @@ def test_serving_figures_compare_maru_with_its_peers_and_the_contention_ratio(tm
     G = 1 << 30
     cells = [_cell("1", "none", None, 900, 0), _cell("1", "file", None, 500, 3000), _cell("1", "mooncake", G, 600, 3000),
              _cell("1", "maru", G, 450, 3000), _cell("default", "file", None, 550, 3000),
-             _cell("default", "maru", G, 900, 2500, same=(True, False)), _cell("default", "maru-spin", G, 1350, 2500)]
+             _cell("default", "maru", G, 900, 2500, same=(True, False)), _cell("default", "maru-spin", G, 1350, 2500),
+             _cell("default", "maru-sleep", G, 950, 2500)]
     figs = figures(cells)
     by = {f["name"]: f for f in figs}
     mean = by["serving dp threads=1 gsp seed 1: TTFT mean, maru 1024M vs file"]
@@ -236,8 +237,11 @@ def test_serving_figures_compare_maru_with_its_peers_and_the_contention_ratio(tm
     assert ratio["ours"] == pytest.approx(2.0) and ratio["peer"] == pytest.approx(1.1) and ratio["met"] is False
     ab = by["serving dp threads=default gsp seed 1: TTFT mean, maru 1024M vs maru-spin 1024M"]  # the A/B of openmpwait
     assert ab["ours"] == 900 and ab["peer"] == 1350 and ab["met"] is True
+    assert by["serving dp threads=default gsp seed 1: TTFT mean, maru 1024M vs maru-sleep 1024M"]["met"] is True
     spin = by["serving dp gsp seed 1: TTFT mean, default threads / 1 thread, maru-spin 1024M vs file"]  # over maru's 1
     assert spin["ours"] == pytest.approx(3.0)
+    sleep = by["serving dp gsp seed 1: TTFT mean, default threads / 1 thread, maru-sleep 1024M vs file"]
+    assert sleep["ours"] == pytest.approx(950 / 450)
     result = {"scenario": "serving", "model": "m", "repeat": 1, "skipped": None, "cells": cells, "figures": figs,
               "workloads": [{"name": "gsp", "seed": 1, "groups": 3, "per_group": 6, "system_len": 2048,
                              "question_len": 128}]}
@@ -247,13 +251,14 @@ def test_serving_figures_compare_maru_with_its_peers_and_the_contention_ratio(tm
     assert [p.rsplit("/", 1)[1] for p in render_charts(doc, str(tmp_path))] == ["serving.png"]
 
 
-def test_the_plan_runs_maru_spin_only_where_a_worker_can_spin():
+def test_the_plan_runs_the_wait_arms_only_where_a_worker_can_wait():
     import argparse
     from tools.benchmarks.serving_load import plan
     args = argparse.Namespace(serving_topologies=["dp"], serving_threads=None, serving_pools=[1 << 30],
-                              serving_backends=["file", "maru", "maru-spin"])
+                              serving_backends=["file", "maru", "maru-spin", "maru-sleep"])
     assert plan(args) == [("dp", "1", "file", None), ("dp", "1", "maru", 1 << 30), ("dp", "default", "file", None),
-                          ("dp", "default", "maru", 1 << 30), ("dp", "default", "maru-spin", 1 << 30)]
+                          ("dp", "default", "maru", 1 << 30), ("dp", "default", "maru-spin", 1 << 30),
+                          ("dp", "default", "maru-sleep", 1 << 30)]
 
 
 def test_closing_ends_idle_connections_quietly(upstreams, capfd):

@@ -117,8 +117,9 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-topologies", type=_names, help="dp, pair, one (default all)")
     g.add_argument("--serving-threads", type=_names, help="1 (OMP_NUM_THREADS=1 per scheduler), default "
                    "(torch's own) (default both)")
-    g.add_argument("--serving-backends", type=_names, help="none, file, mooncake, maru (default all); maru-spin: MaruStorage with "
-                   "maru_openmp_wait: spin, the A/B of maru_sglang.openmpwait (torch's default threads only)")
+    g.add_argument("--serving-backends", type=_names, help="none, file, mooncake, maru (default all); maru-spin, maru-sleep: "
+                   "MaruStorage with maru_openmp_wait: spin or sleep, the A/B of maru_sglang.openmpwait's auto "
+                   "(torch's default threads only)")
     g.add_argument("--serving-workloads", type=_names, help="gsp, mooncake (default both)")
     g.add_argument("--serving-pools", default="1G,96M", type=argtypes.sizes,
                    help="budgets of the bounded L3s (maru, mooncake), comma separated (default 1G,96M: one holds "

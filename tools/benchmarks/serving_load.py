@@ -131,13 +131,13 @@ def cells_of_deployment(dep, l3, ws, args, model: str, work: str, tag: str, repe
 
 def plan(args) -> list[tuple]:
     """(topology, threads, backend, budget) in the order they run."""
-    from ..l3backends import BOUNDED
+    from ..l3backends import BOUNDED, WAIT_ARMS
     out = []
     for topology in getattr(args, "serving_topologies", None) or ["dp", "pair", "one"]:
         for threads in getattr(args, "serving_threads", None) or ["1", "default"]:
             for backend in getattr(args, "serving_backends", None) or ["none", "file", "mooncake", "maru"]:
-                if backend == "maru-spin" and threads == "1":
-                    continue  # with one thread there is no OpenMP worker to spin: it would be maru again
+                if backend in WAIT_ARMS and threads == "1":
+                    continue  # with one thread there is no OpenMP worker to wait: it would be maru again
                 for budget in (args.serving_pools if backend in BOUNDED else [None]):
                     out.append((topology, threads, backend, budget))
     return out
@@ -212,14 +212,15 @@ def _group(cells: list[dict]) -> dict:
 
 
 def figures(cells: list[dict]) -> list[dict]:
-    """MaruStorage against HiCacheFile, MooncakeStore and maru-spin (at its own budget) in every group, the
+    """MaruStorage against HiCacheFile, MooncakeStore and its wait arms (at its own budget) in every group, the
     contention ratio against HiCacheFile's, and the greedy tokens of every L3."""
+    from ..l3backends import WAIT_ARMS
     figs = []
     for (topo, threads, wl, seed), group in _group(cells).items():
         where = f"serving {topo} threads={threads} {wl} seed {seed}"
         for c in (c for c in group if c["backend"] == "maru"):
             peers = [p for p in group if p["backend"] == "file"
-                     or (p["backend"] in ("mooncake", "maru-spin") and p["budget"] == c["budget"])]
+                     or (p["backend"] in ("mooncake", *WAIT_ARMS) and p["budget"] == c["budget"])]
             for p in peers:
                 m, q = c["median"], p["median"]
                 for key, label, better in (("ttft_mean_ms", "TTFT mean", "lower"), ("ttft_p99_ms", "TTFT p99", "lower"),
@@ -242,7 +243,7 @@ def figures(cells: list[dict]) -> list[dict]:
 
 def _contention(cells: list[dict]) -> list[dict]:
     """TTFT mean with torch's default threads over that with 1 thread, MaruStorage's against HiCacheFile's,
-    per deployment and workload (issue #49: within 10 %). maru-spin's one-thread run is maru's."""
+    per deployment and workload (issue #49: within 10 %). A wait arm's one-thread run is maru's."""
     by = {(c["topology"], c["threads"], c["workload"], c["seed"], c["label"]): c["median"].get("ttft_mean_ms")
           for c in cells}
     figs = []
@@ -250,7 +251,7 @@ def _contention(cells: list[dict]) -> list[dict]:
         if threads != "default" or not label.startswith("maru"):
             continue
         ours = (by.get((topo, "default", wl, seed, label)),
-                by.get((topo, "1", wl, seed, label.replace("maru-spin", "maru"))))
+                by.get((topo, "1", wl, seed, "maru" + label[len(label.split()[0]):])))
         peer = (by.get((topo, "default", wl, seed, "file")), by.get((topo, "1", wl, seed, "file")))
         if None in ours or None in peer or not ours[1] or not peer[1]:
             continue
