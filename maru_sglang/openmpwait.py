@@ -155,14 +155,21 @@ class _IdleWorkers:
 
     @boundary
     def watch(self) -> None:
+        failed = False
         while not self.always:
             time.sleep(CHECK_S)
-            with _lock:
-                self.do_apply_rule()
+            try:
+                with _lock:
+                    self.do_apply_rule()
+            except Exception as e:  # a thread that could not start, the mutex past its bound: next time
+                if not failed:
+                    logger.warning("maru: the OpenMP wait rule failed once (%s: %s); it is retried every %.0f s",
+                                   type(e).__name__, e, CHECK_S)
+                failed = True
 
 
 def _idle_workers() -> _IdleWorkers | None:
-    """_lock held: this process's, made on first use; None where nothing can be parked (logged once)."""
+    """_lock held: this process's, made on first use; None where nothing can be parked (logged)."""
     global _workers
     if _workers is not None:
         return _workers if _workers.pid == os.getpid() else None  # a fork: teams do not survive it, a new one could hang
