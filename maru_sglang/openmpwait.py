@@ -103,7 +103,8 @@ class _ParkedTeam:
             torch.empty(grain * size).fill_(0.0)
         finally:
             started.set()
-        self._stop.wait()
+        while not self._stop.wait(3600.0):  # parked until stop(); every wait of the backend has a bound
+            pass
 
     def stop(self) -> None:
         self._stop.set()

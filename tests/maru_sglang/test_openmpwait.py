@@ -87,21 +87,30 @@ def tasks():
     return len(os.listdir("/proc/self/task"))
 def parked():
     return [t.name for t in threading.enumerate() if t.name == openmpwait.PARK_THREAD]
-def settle():
-    time.sleep(0.5)
+def settle(expect_parked):  # the state once the watcher made it so (10 s at most) and the threads stay put
+    deadline = time.monotonic() + 10
+    while bool(parked()) != expect_parked and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n = tasks()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if tasks() == n:
+            break
+        n = tasks()
     torch.empty(1 << 20).fill_(1.0)  # the main thread's team still runs, whatever the parked one does
     return {"parked": parked(), "tasks": tasks()}
 before = tasks()
 ok = openmpwait.manage_idle_workers("auto", lambda: count["n"])
-seen = {"before": before, "ok": ok, "cpus": len(os.sched_getaffinity(0)), "unknown": settle()}
+seen = {"before": before, "ok": ok, "cpus": len(os.sched_getaffinity(0)), "unknown": settle(True)}
 count["n"] = 1
-seen["alone"] = settle()
+seen["alone"] = settle(False)
 count["n"] = seen["cpus"]
-seen["crowded"] = settle()
+seen["crowded"] = settle(True)
 count["n"] = None
-seen["unknown_again"] = settle()
+time.sleep(0.5)  # ten turns of the watcher, which an unknown count must not change
+seen["unknown_again"] = settle(True)
 count["n"] = 1
-seen["alone_again"] = settle()
+seen["alone_again"] = settle(False)
 print(json.dumps(seen))
 """
 
