@@ -29,11 +29,11 @@ import urllib.request
 
 from maru_shm import PoolView, format_size, pool_report, remove_pool
 
-NAMES = ("none", "file", "mooncake", "maru", "maru-spin", "maru-sleep")
-BOUNDED = ("mooncake", "maru", "maru-spin", "maru-sleep")  # the tiers a budget limits; the others run once
 MARU = {"maru": {}, "maru-spin": {"maru_openmp_wait": "spin"},
         "maru-sleep": {"maru_openmp_wait": "sleep"}}  # MaruStorage, with the keys each adds
-WAIT_ARMS = ("maru-spin", "maru-sleep")  # MaruStorage with another OpenMP wait: with one thread, maru again
+WAIT_ARMS = tuple(n for n in MARU if n != "maru")  # another OpenMP wait only: with one thread, maru again
+NAMES = ("none", "file", "mooncake", *MARU)
+BOUNDED = ("mooncake", *MARU)  # the tiers a budget limits; the others run once, at no budget
 
 
 class L3:
