@@ -261,6 +261,24 @@ def test_the_plan_runs_the_wait_arms_only_where_a_worker_can_wait():
                           ("dp", "default", "maru-sleep", 1 << 30)]
 
 
+def test_rounds_pool_each_cells_runs_and_keep_round_0s_greedy_check():
+    from tools.benchmarks.serving_load import pooled
+    G = 1 << 30
+
+    def cell(backend, budget, rnd, ttfts, check):
+        runs = [{"ttft_mean_ms": t, "storage_tokens": 100, "round": rnd} for t in ttfts]
+        return {**_cell("1", backend, budget, ttfts[0], 100), "runs": runs, "check": check, "texts": [str(rnd)]}
+    same = {"prompts": 2, "same": [True, True]}
+    cells = [cell("file", None, 0, [500, 700], same), cell("maru", G, 0, [400], same),
+             cell("file", None, 1, [600, 900, 800], None), cell("maru", G, 1, [900], None)]
+    file, maru = pooled(cells)
+    assert [r["round"] for r in file["runs"]] == [0, 0, 1, 1, 1]
+    assert file["median"]["ttft_mean_ms"] == 700 and file["spread"]["ttft_mean_ms"] == [500, 900]
+    assert maru["median"]["ttft_mean_ms"] == 650 and maru["check"] == same and maru["texts"] == ["1"]
+    lost = pooled([cell("maru", G, 1, [900], None)])  # round 0's deployment failed: no greedy figure
+    assert lost[0]["check"] == {"prompts": 0}
+
+
 def test_closing_ends_idle_connections_quietly(upstreams, capfd):
     import socket
     rr = RoundRobin([upstreams[0].url])

@@ -260,7 +260,7 @@ def render_serving(r: dict) -> list[str]:
     if r.get("skipped") and not r.get("cells"):
         return [f"serving   skipped: {r['skipped']}"]
     out = [f"serving   sglang.bench_serving against SGLang servers, {r['model']}; medians of {r['repeat']} run(s) "
-           f"[min-max]"]
+           f"x {r.get('rounds', 1)} round(s) [min-max]"]
     if r.get("skipped"):
         out.append(f"serving   left out: {'; '.join(r['skipped'])}")
     for w in r["workloads"]:
@@ -279,7 +279,8 @@ def render_serving(r: dict) -> list[str]:
         out.append(head)
         for c in cells:
             m, sp, ch = c["median"], c["spread"], c["check"]
-            greedy = f"{sum(ch['same'])}/{len(ch['same'])}" if "same" in ch else "ref"
+            greedy = (f"{sum(ch['same'])}/{len(ch['same'])}" if "same" in ch
+                      else "ref" if c["backend"] == "none" else "-")
             diff = "-" if c.get("texts_differ_from_none") is None else str(c["texts_differ_from_none"])
             ev = "-" if m.get("evictions") is None else f"{m['evictions']:,.0f}"
             out.append(f"  {c['label']:<13} {_ms(m, sp, 'ttft_mean_ms'):>20} {_ms(m, sp, 'ttft_p50_ms'):>20} "

@@ -127,6 +127,9 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-repeat", type=int, default=3,
                    help="serving: runs per cell, medians and min-max reported (default 3; a run takes about a minute "
                         "on a CPU)")
+    g.add_argument("--serving-rounds", type=int, default=1,
+                   help="serving: run the whole plan this many times over, the L3s taking turns, each cell's runs "
+                        "pooled (default 1)")
     g.add_argument("--serving-seeds", type=_seed_list, help="client seeds, comma separated (default 1)")
     g.add_argument("--serving-gsp", default=[3, 6, 2048, 128], type=_gsp_shape,
                    help="generated-shared-prefix: groups,prompts per group,system prompt len,question len "

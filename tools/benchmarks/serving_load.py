@@ -6,9 +6,11 @@ servers behind a round-robin forwarder; `one`, the 1-scheduler reference), each 
 OpenMP thread per scheduler, or torch's `default`) and each L3 (tools/l3backends.py: none, HiCacheFile,
 SGLang's MooncakeStore with a real master, MaruStorage; the bounded ones at every --serving-pools size),
 servers are started fresh, warmed, and run every workload and seed --serving-repeat times, each run
-after every cache level is emptied. Workloads: generated-shared-prefix, and a cut of the Mooncake
-synthetic trace replayed by the client's `mooncake` dataset (tools/tracecut.py). After a workload's
-runs a fixed greedy subset of its prompts is answered from L3 and recomputed: the tokens must agree.
+after every cache level is emptied. With --serving-rounds N the whole plan runs N times over: the L3s take
+turns, so a slow spell of a shared machine falls on all of them, and each cell pools its rounds' runs.
+Workloads: generated-shared-prefix, and a cut of the Mooncake synthetic trace replayed by the client's
+`mooncake` dataset (tools/tracecut.py). After a workload's runs (in round 0) a fixed greedy subset of its
+prompts is answered from L3 and recomputed: the tokens must agree.
 
 On a CPU the model is the demo's dummy-weight Llama with an offline tokenizer (tools/wordtokenizer.py);
 `--serving-model DIR --serving-device cuda` serves a real model with its own tokenizer.
@@ -106,27 +108,44 @@ def _prompts(w, run, model: str, work: str) -> list[str]:
 
 
 def cells_of_deployment(dep, l3, ws, args, model: str, work: str, tag: str, repeat: int, tick,
-                        prompts_cache: dict) -> list[dict]:
+                        prompts_cache: dict, rnd: int = 0) -> list[dict]:
     """Every workload's runs on one started deployment: one cell per workload and seed. `prompts_cache`
-    keeps each workload's greedy subset from one deployment to the next."""
+    keeps each workload's greedy subset from one deployment to the next; the greedy check runs in round 0."""
     from ..loadrun import greedy_check, run_load, subset
     cells = []
     for w in ws:
         runs, texts, last = [], [], None
         for i in range(repeat):
             fig, last = run_load(dep, l3, w, model, work, f"{tag}-{w.name}-s{w.seed}-r{i}")
-            runs.append(fig)
+            runs.append({**fig, "round": rnd})
             texts.append(last.texts)
             tick()
         med, spread = _median_of(runs)
         key = (w.name, w.trace, w.rounds, w.seed)
         if key not in prompts_cache:
             prompts_cache[key] = subset(_prompts(w, last, model, work), args.serving_check_prompts)
-        check = greedy_check(dep, l3, prompts_cache[key], w.output_len)
+        check = greedy_check(dep, l3, prompts_cache[key], w.output_len) if rnd == 0 else None
         cells.append({"topology": dep.topology, "threads": dep.threads, "workload": w.name, "seed": w.seed,
                       "backend": l3.name, "budget": l3.budget, "label": l3.label, "schedulers": dep.schedulers,
                       "runs": runs, "median": med, "spread": spread, "check": check, "texts": texts[-1]})
     return cells
+
+
+def pooled(cells: list[dict]) -> list[dict]:
+    """One cell per (topology, threads, workload, seed, backend, budget), its rounds' runs pooled."""
+    out: dict = {}
+    for c in cells:
+        key = (c["topology"], c["threads"], c["workload"], c["seed"], c["backend"], c["budget"])
+        if key not in out:
+            out[key] = c
+            continue
+        into = out[key]
+        into["runs"] = into["runs"] + c["runs"]
+        into["median"], into["spread"] = _median_of(into["runs"])
+        into["check"], into["texts"] = into["check"] or c["check"], c["texts"]
+    for c in out.values():
+        c["check"] = c["check"] or {"prompts": 0}  # round 0's deployment failed: no greedy figure
+    return list(out.values())
 
 
 def plan(args) -> list[tuple]:
@@ -154,15 +173,16 @@ def bench_serving(args) -> dict:
     from ..loadrun import warm
     progress = progress_of(args)
     repeat = max(1, args.serving_repeat)
+    rounds = max(1, getattr(args, "serving_rounds", 1) or 1)
     work = tempfile.mkdtemp(prefix="maru-bench-serving-")
     cells, skipped, prompts_cache = [], [], {}
     try:
         base, model, what = model_spec(args, work)
         ws, skipped = workloads(args, work)
         steps = plan(args)
-        total, done = max(1, len(steps) * len(ws) * repeat), 0
-        for n, (topology, threads, backend, budget) in enumerate(steps):
-            tag = f"{topology}-{threads}-{backend}-{budget or 0}"
+        total, done = max(1, rounds * len(steps) * len(ws) * repeat), 0
+        for n, (rnd, (topology, threads, backend, budget)) in enumerate((r, s) for r in range(rounds) for s in steps):
+            tag = f"{topology}-{threads}-{backend}-{budget or 0}" + (f"-round{rnd}" if rounds > 1 else "")
             progress(done / total, f"{tag}: starting")
             first = done
 
@@ -180,7 +200,7 @@ def bench_serving(args) -> dict:
                     with Deployment(topology, threads, spec, work, tag) as dep:
                         warm(dep)
                         cells += cells_of_deployment(dep, l3, ws, args, model, work, tag, repeat, tick,
-                                                     prompts_cache)
+                                                     prompts_cache, rnd)
             except Exception as e:  # one cell's failure (a server that would not start) is reported, not fatal
                 lines = str(e).strip().splitlines() or [type(e).__name__]
                 skipped.append(f"{tag}: {type(e).__name__}: {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1 else ""))
@@ -188,8 +208,9 @@ def bench_serving(args) -> dict:
     finally:
         if not getattr(args, "serving_keep", False):
             shutil.rmtree(work, ignore_errors=True)
+    cells = pooled(cells)
     _compare_texts(cells)
-    return {"scenario": NAME, "model": what, "repeat": repeat, "skipped": skipped or None,
+    return {"scenario": NAME, "model": what, "repeat": repeat, "rounds": rounds, "skipped": skipped or None,
             "workloads": [{"name": w.name, "seed": w.seed, **w.meta} for w in ws],
             "cells": [{k: v for k, v in c.items() if k != "texts"} for c in cells], "figures": figures(cells)}
 
