@@ -294,6 +294,9 @@ def render_serving(r: dict) -> list[str]:
     for f in r["figures"]:
         if "default threads / 1 thread" in f["name"]:
             out.append(f"serving   {f['name']}: x{f['ours']:.2f} vs x{f['peer']:.2f}; goal {f['goal']} {_met(f['met'])}")
+        elif f["met"] is False and f.get("chance") is not None:
+            out.append(f"serving   MISSED {f['name']}: {f['ours']:,.4g} vs {f['peer']:,.4g} (x{f['ratio']:.3f}); "
+                       f"runs of one distribution are this far apart with p = {f['chance']:.2f}")
     return out
 
 

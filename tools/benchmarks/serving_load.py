@@ -232,10 +232,16 @@ def _group(cells: list[dict]) -> dict:
     return out
 
 
+def _runs_of(cell: dict, key: str) -> list[float]:
+    return [r[key] for r in cell["runs"] if r.get(key) is not None]
+
+
 def figures(cells: list[dict]) -> list[dict]:
     """MaruStorage against HiCacheFile, MooncakeStore and its wait arms (at its own budget) in every group, the
-    contention ratio against HiCacheFile's, and the greedy tokens of every L3."""
+    contention ratio against HiCacheFile's, and the greedy tokens of every L3. A comparison's `chance` is how
+    often runs drawn from one distribution would be as far apart (tools/benchmarks/stats.py)."""
     from ..l3backends import WAIT_ARMS
+    from .stats import worse_by_chance
     figs = []
     for (topo, threads, wl, seed), group in _group(cells).items():
         where = f"serving {topo} threads={threads} {wl} seed {seed}"
@@ -249,10 +255,12 @@ def figures(cells: list[dict]) -> list[dict]:
                                            ("storage_tokens", "tokens from L3", "higher")):
                     ours, peer = m.get(key), q.get(key)
                     met = None if ours is None or peer is None else (ours <= peer if better == "lower" else ours >= peer)
+                    chance = worse_by_chance(_runs_of(c, key), _runs_of(p, key), better)
                     figs.append(figure(f"{where}: {label}, {c['label']} vs {p['label']}", ours, peer, p["label"],
                                        unit="ms" if key.endswith("_ms") else "", better=better,
                                        spread=c["spread"].get(key), peer_spread=p["spread"].get(key),
-                                       goal=f"{'<=' if better == 'lower' else '>='} {p['label']}", met=met))
+                                       goal=f"{'<=' if better == 'lower' else '>='} {p['label']}", met=met,
+                                       chance=chance))
         for c in group:
             same = c["check"].get("same")
             if same is not None:
