@@ -6,8 +6,9 @@ servers behind a round-robin forwarder; `one`, the 1-scheduler reference), each 
 OpenMP thread per scheduler, or torch's `default`) and each L3 (tools/l3backends.py: none, HiCacheFile,
 SGLang's MooncakeStore with a real master, MaruStorage; the bounded ones at every --serving-pools size),
 servers are started fresh, warmed, and run every workload and seed --serving-repeat times, each run
-after every cache level is emptied. With --serving-rounds N the whole plan runs N times over: the L3s take
-turns, so a slow spell of a shared machine falls on all of them, and each cell pools its rounds' runs.
+after every cache level is emptied. With --serving-rounds N the whole plan runs N times over, the L3s' order
+rotating: a slow spell of a shared machine, or the wake of the L3 before, falls on all of them; each cell
+pools its rounds' runs.
 Workloads: generated-shared-prefix, and a cut of the Mooncake synthetic trace replayed by the client's
 `mooncake` dataset (tools/tracecut.py). After a workload's runs (in round 0) a fixed greedy subset of its
 prompts is answered from L3 and recomputed: the tokens must agree.
@@ -162,6 +163,19 @@ def plan(args) -> list[tuple]:
     return out
 
 
+def rotated(steps: list[tuple], rnd: int) -> list[tuple]:
+    """Round `rnd`'s order: within each deployment and thread setting the L3s rotate by one place a round,
+    so that no L3 always runs first, or always right after the same other one."""
+    groups: dict = {}
+    for s in steps:
+        groups.setdefault(s[:2], []).append(s)
+    out = []
+    for g in groups.values():
+        k = rnd % len(g)
+        out += g[k:] + g[:k]
+    return out
+
+
 @scenario(NAME)
 def bench_serving(args) -> dict:
     import importlib.util
@@ -181,7 +195,8 @@ def bench_serving(args) -> dict:
         ws, skipped = workloads(args, work)
         steps = plan(args)
         total, done = max(1, rounds * len(steps) * len(ws) * repeat), 0
-        for n, (rnd, (topology, threads, backend, budget)) in enumerate((r, s) for r in range(rounds) for s in steps):
+        for n, (rnd, (topology, threads, backend, budget)) in enumerate((r, s) for r in range(rounds)
+                                                                         for s in rotated(steps, r)):
             tag = f"{topology}-{threads}-{backend}-{budget or 0}" + (f"-round{rnd}" if rounds > 1 else "")
             progress(done / total, f"{tag}: starting")
             first = done
