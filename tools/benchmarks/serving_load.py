@@ -121,19 +121,19 @@ def cells_of_deployment(dep, l3, ws, args, model: str, work: str, tag: str, repe
             runs.append({**fig, "round": rnd})
             texts.append(last.texts)
             tick()
-        med, spread = _median_of(runs)
         key = (w.name, w.trace, w.rounds, w.seed)
         if key not in prompts_cache:
             prompts_cache[key] = subset(_prompts(w, last, model, work), args.serving_check_prompts)
         check = greedy_check(dep, l3, prompts_cache[key], w.output_len) if rnd == 0 else None
         cells.append({"topology": dep.topology, "threads": dep.threads, "workload": w.name, "seed": w.seed,
                       "backend": l3.name, "budget": l3.budget, "label": l3.label, "schedulers": dep.schedulers,
-                      "runs": runs, "median": med, "spread": spread, "check": check, "texts": texts[-1]})
+                      "runs": runs, "check": check, "texts": texts[-1]})
     return cells
 
 
 def pooled(cells: list[dict]) -> list[dict]:
-    """One cell per (topology, threads, workload, seed, backend, budget), its rounds' runs pooled."""
+    """One cell per (topology, threads, workload, seed, backend, budget), its rounds' runs pooled, with their
+    medians and spread."""
     out: dict = {}
     for c in cells:
         key = (c["topology"], c["threads"], c["workload"], c["seed"], c["backend"], c["budget"])
@@ -142,9 +142,9 @@ def pooled(cells: list[dict]) -> list[dict]:
             continue
         into = out[key]
         into["runs"] = into["runs"] + c["runs"]
-        into["median"], into["spread"] = _median_of(into["runs"])
         into["check"], into["texts"] = into["check"] or c["check"], c["texts"]
     for c in out.values():
+        c["median"], c["spread"] = _median_of(c["runs"])
         c["check"] = c["check"] or {"prompts": 0}  # round 0's deployment failed: no greedy figure
     return list(out.values())
 
