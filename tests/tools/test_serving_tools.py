@@ -261,14 +261,18 @@ def test_the_plan_runs_the_wait_arms_only_where_a_worker_can_wait():
                           ("dp", "default", "maru-sleep", 1 << 30)]
 
 
-def test_each_round_rotates_the_l3s_within_a_deployment_and_thread_setting():
+def test_rounds_run_the_l3s_forward_and_backward_rotating_within_a_deployment_and_thread_setting():
     from tools.benchmarks.serving_load import rotated
     steps = [("dp", "1", "file", None), ("dp", "1", "maru", 1), ("dp", "1", "mooncake", 1), ("one", "1", "file", None),
              ("one", "1", "maru", 1)]
     assert rotated(steps, 0) == steps
-    assert [s[2] for s in rotated(steps, 1)] == ["maru", "mooncake", "file", "maru", "file"]
-    assert [s[2] for s in rotated(steps, 2)] == ["mooncake", "file", "maru", "file", "maru"]
-    assert [s[:2] for s in rotated(steps, 2)] == [s[:2] for s in steps]  # deployments keep their order
+    assert [s[2] for s in rotated(steps, 1)] == ["mooncake", "maru", "file", "maru", "file"]
+    assert [s[2] for s in rotated(steps, 2)] == ["maru", "mooncake", "file", "maru", "file"]
+    assert [s[2] for s in rotated(steps, 3)] == ["file", "mooncake", "maru", "file", "maru"]
+    for r in range(6):
+        assert [s[:2] for s in rotated(steps, r)] == [s[:2] for s in steps]  # deployments keep their order
+    firsts = [[s[2] for s in rotated(steps, r)][0] for r in range(6)]
+    assert sorted(firsts) == ["file", "file", "maru", "maru", "mooncake", "mooncake"]  # 6 rounds: each place twice
 
 
 def test_rounds_pool_each_cells_runs_and_keep_round_0s_greedy_check():
