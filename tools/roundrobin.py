@@ -138,10 +138,17 @@ class RoundRobin:
         """Stop listening and end every connection still open (an idle keep-alive one, say)."""
         async def stop():
             self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # A connection accepted just before the close starts its task a step later, after one sweep's
+            # snapshot: sweep until no task is left, or the closed loop would drop it pending ("Task was
+            # destroyed but it is pending!"). Bounded: each sweep ends what it saw.
+            for _ in range(100):
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                if not tasks:
+                    break
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.sleep(0)
             await self._server.wait_closed()
 
         if self._loop.is_running():

@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from maru_shm import eviction_settings, format_size, remove_pool
+from maru_shm import eviction_settings, format_size, pool_report, remove_pool
 
 from .eviction import LRU, zipf_trace
 from .registry import figure, pool_path, progress_of, scenario
@@ -40,6 +40,13 @@ def shift_trace(n_a: int, n_b: int, fill: int, shift: int, seed: int = 5) -> np.
 def _count(hit: bool, is_b: bool, counts: list) -> None:
     counts[2 * is_b] += hit
     counts[2 * is_b + 1] += 1
+
+
+def _slab_share(classes: list[dict], size: int) -> float:
+    """Share of the slab units held by the classes whose blocks take `size`-byte values (pool_report's
+    "classes" rows): the pool holds only two value sizes, so blocks of at least the larger are its."""
+    units = [(r["block_size"] >= size, r["slabs"] * r["slab_units"]) for r in classes]
+    return sum(u for big, u in units if big) / max(1, sum(u for _, u in units))
 
 
 def run_store(trace, n_a: int, pool_bytes: int, measure_from: int, path: str, progress=None) -> dict:
@@ -63,9 +70,7 @@ def run_store(trace, n_a: int, pool_bytes: int, measure_from: int, path: str, pr
                     _count(hit, is_b, counts)
                 if progress is not None and i % 4096 == 0:
                     progress(i / len(tr))
-            a, b = s.alloc.class_for(A_SIZE), s.alloc.class_for(B_SIZE)
-            ua, ub = (int(s.alloc.cls_nslabs[c.cid]) * c.k for c in (a, b))
-            share_b = ub / max(1, ua + ub)
+            share_b = _slab_share(pool_report(s)["classes"], B_SIZE)
             st, data_bytes, ok = s.stats(), s.geo.data_bytes, s.check().ok
     finally:
         remove_pool(path)
