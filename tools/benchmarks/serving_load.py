@@ -7,8 +7,8 @@ OpenMP thread per scheduler, or torch's `default`) and each L3 (tools/l3backends
 SGLang's MooncakeStore with a real master, MaruStorage; the bounded ones at every --serving-pools size),
 servers are started fresh, warmed, and run every workload and seed --serving-repeat times, each run
 after every cache level is emptied. With --serving-rounds N the whole plan runs N times over, the L3s' order
-running forward and backward by turns (`rotated`): a slow spell of a shared machine, or the wake of the L3 before, falls on all of them; each cell
-pools its rounds' runs.
+forward and backward by turns (`rotated`): a slow spell of a shared machine, or the wake of the L3 before,
+falls on all of them; each cell pools its rounds' runs.
 Workloads: generated-shared-prefix, and a cut of the Mooncake synthetic trace replayed by the client's
 `mooncake` dataset (tools/tracecut.py). After a workload's runs (in round 0) a fixed greedy subset of its
 prompts is answered from L3 and recomputed: the tokens must agree.
@@ -165,9 +165,9 @@ def plan(args) -> list[tuple]:
 
 def rotated(steps: list[tuple], rnd: int) -> list[tuple]:
     """Round `rnd`'s order within each deployment and thread setting: the L3s' order runs forward in even
-    rounds and backward in odd ones, rotating one place every two rounds. Two rounds already give the
-    first and the last L3 each place, and each the other as the one before; no L3 always runs right
-    after the same other one."""
+    rounds and backward in odd ones, rotating one place every two rounds. Two rounds already swap the
+    first and the last L3's places and the runs before them (the middle one's, the previous setting's
+    last), so neither always runs right after the same one."""
     groups: dict = {}
     for s in steps:
         groups.setdefault(s[:2], []).append(s)
