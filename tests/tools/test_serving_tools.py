@@ -272,7 +272,7 @@ def test_rounds_run_the_l3s_forward_and_backward_rotating_within_a_deployment_an
     for r in range(6):
         assert [s[:2] for s in rotated(steps, r)] == [s[:2] for s in steps]  # deployments keep their order
     firsts = [[s[2] for s in rotated(steps, r)][0] for r in range(6)]
-    assert sorted(firsts) == ["file", "file", "maru", "maru", "mooncake", "mooncake"]  # 6 rounds: each place twice
+    assert sorted(firsts) == ["file", "file", "maru", "maru", "mooncake", "mooncake"]  # 6 rounds: each L3 runs first twice
 
 
 def test_rounds_pool_each_cells_runs_and_keep_round_0s_greedy_check():
